@@ -1,0 +1,288 @@
+"""Run one training step (forward, loss, backward) of a traced module under any ``Plan``.
+
+NOTE [executing a plan]
+The forward pass runs the fx graph layer by layer with autograd on, as plain PyTorch would, inside
+``saved_tensors_hooks``. When a layer's backward saves a tensor whose storage belongs to an IR node the
+plan recomputes, the hook keeps only a token (the node and the tensor's size, stride and offset), so the
+value dies after its last forward use. Values the plan keeps are saved as usual, and the executor holds
+on to those that the recomputation of a later stage reads.
+
+In the backward pass, the first time the autograd engine unpacks a token of stage ``i``, all the
+recomputed nodes of stage ``i`` are run again, under ``no_grad``, from the kept values (seed 004's
+canonical strategy, one stage at a time). Each recomputed value is dropped when its last token has been
+unpacked. Gradients flow through the graph built in the forward pass, so the loss and every gradient
+are those of plain PyTorch, and they land in ``.grad`` as with ``loss.backward()``.
+Two side effects are replayed, not repeated: BatchNorm layers recompute with batch statistics but without
+touching their running statistics, and layers that draw random numbers (dropout) run with the RNG state
+they had in the forward pass, so they draw the same masks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves
+
+from harness.trace import Traced
+from strategies import Plan, members
+
+_RANDOM_FUNCTIONS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, torch.bernoulli,
+                     torch.rand_like, torch.randn_like}
+
+
+def default_loss(output) -> torch.Tensor:
+    """The sum of every tensor the model returns."""
+    return sum(t.sum() for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+
+
+def execute(traced: Traced, plan: Plan, *inputs: torch.Tensor, loss_fn=None) -> torch.Tensor:
+    """One training step of ``traced`` under ``plan``; returns the (detached) loss."""
+    plan.validate(traced.graph)
+    step = _Step(traced, plan)
+    loss_fn = loss_fn or default_loss
+    with torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack):
+        output = step.forward(inputs)
+        loss = loss_fn(output)
+        del output
+        step.end_forward()
+        loss.backward()
+    return loss.detach()
+
+
+@dataclass(eq=False)
+class _Saved:
+    """What a saved-tensor hook keeps: the tensor, or for a recomputed value only its place."""
+
+    tensor: torch.Tensor | None
+    group: int = -1
+    geometry: tuple = ()
+
+
+@dataclass
+class _Step:
+    traced: Traced
+    plan: Plan
+    env: dict[str, object] = field(default_factory=dict)  # fx node name -> value, during a pass
+    storage_group: dict[int, tuple[weakref.ref, int]] = field(default_factory=dict)
+    pending: list[_Saved] = field(default_factory=list)  # packed since the last resolve
+    tokens_left: dict[int, int] = field(default_factory=dict)  # group -> tokens not yet unpacked
+    cache: dict[str, object] = field(default_factory=dict)  # fx node of a kept group -> value, for recomputation
+    cache_stages: dict[int, set[int]] = field(default_factory=dict)  # kept group -> stages still to read it
+    recomputed: dict[int, torch.Tensor] = field(default_factory=dict)
+    rng_states: dict[str, object] = field(default_factory=dict)  # random fx node -> RNG state before it
+    constants: dict[str, object] = field(default_factory=dict)  # inputs and non-tensor values
+
+    def __post_init__(self):
+        graph = self.traced.graph
+        self.discarded = set(members(self.plan.recomputed))
+        self.stage_of = self.plan.stage_of(len(graph))
+        self.nodes = {n.name: n for n in self.traced.module.graph.nodes}
+        self.modules = dict(self.traced.module.named_modules())
+        self.reads_left = _last_uses(self.traced.module.graph)
+        self.cached_names: dict[int, set[str]] = {}  # kept group -> its fx nodes that recomputation reads
+        for name in (n for g in self.discarded for n in self.traced.members[g]):
+            for source in self.nodes[name].all_input_nodes:
+                g = self.traced.group_of.get(source.name)
+                if g is not None and g not in self.discarded:
+                    self.cached_names.setdefault(g, set()).add(source.name)
+                    self.cache_stages.setdefault(g, set()).add(self.stage_of[self.traced.group_of[name]])
+
+    # -- forward -------------------------------------------------------------------------------------
+
+    def forward(self, inputs):
+        args = iter(inputs)
+        for node in self.traced.module.graph.nodes:
+            if node.op == "output":
+                return self._load(node.args[0])
+            if node.op == "placeholder":
+                self.constants[node.name] = next(args)
+                continue
+            value = self._run(node, self._load(node.args), self._load(node.kwargs), recompute=False)
+            self._store(node, value)
+            self._free_inputs(node)
+
+    def _store(self, node: fx.Node, value):
+        g = self.traced.group_of.get(node.name)
+        if g is None:
+            self.constants[node.name] = value  # no tensor of its own: kept for the whole step
+        else:
+            self.env[node.name] = value
+            for t in tree_leaves(value):
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    self.storage_group[id(storage)] = (weakref.ref(storage), g)
+            if node.name in self.cached_names.get(g, ()):
+                self.cache[node.name] = value
+        self._resolve()
+
+    def _free_inputs(self, node: fx.Node):
+        for source in node.all_input_nodes:
+            self.reads_left[source.name] -= 1
+            if self.reads_left[source.name] == 0:
+                self.env.pop(source.name, None)
+
+    def end_forward(self):
+        self._resolve()
+        self.env.clear()
+        needed = {self.stage_of[g] for g, count in self.tokens_left.items() if count}
+        for g in list(self.cache_stages):
+            self.cache_stages[g] &= needed
+            self._release_cache(g)
+
+    # -- saved tensors --------------------------------------------------------------------------------
+
+    def pack(self, tensor: torch.Tensor) -> _Saved:
+        saved = _Saved(tensor)
+        self.pending.append(saved)
+        return saved
+
+    def _resolve(self):
+        """Turn what was saved since the last call into tokens where the value is recomputed."""
+        for saved in self.pending:
+            storage = saved.tensor.untyped_storage()
+            entry = self.storage_group.get(id(storage))
+            g = entry[1] if entry and entry[0]() is storage else -1
+            if g in self.discarded:
+                t = saved.tensor
+                saved.group, saved.geometry = g, (t.size(), t.stride(), t.storage_offset(), t.dtype)
+                saved.tensor = None
+                self.tokens_left[g] = self.tokens_left.get(g, 0) + 1
+        self.pending.clear()
+
+    def unpack(self, saved: _Saved) -> torch.Tensor:
+        if saved.tensor is not None:
+            return saved.tensor
+        g = saved.group
+        if g not in self.recomputed:
+            self._recompute_stage(self.stage_of[g])
+        size, stride, offset, dtype = saved.geometry
+        base = self.recomputed[g]
+        assert base.dtype == dtype, "executor bug: a token's dtype differs from its recomputed storage"
+        value = base.as_strided(size, stride, offset)
+        self.tokens_left[g] -= 1
+        if self.tokens_left[g] == 0:
+            del self.recomputed[g]
+        return value
+
+    # -- backward: recomputation ---------------------------------------------------------------------
+
+    def _recompute_stage(self, stage: int):
+        groups = [g for g in members(self.plan.stages[stage]) if g in self.discarded]
+        names = {name for g in groups for name in self.traced.members[g]}
+        order = [n for n in self.traced.module.graph.nodes if n.name in names]
+        uses = _last_uses(self.traced.module.graph, within=names)
+        env = {}
+        with torch.no_grad(), _preserved_rng(self.constants):
+            for node in order:
+                load = lambda a: self._load(a, env)  # noqa: E731
+                env[node.name] = self._run(node, load(node.args), load(node.kwargs), recompute=True)
+                for source in node.all_input_nodes:
+                    if source.name in uses:
+                        uses[source.name] -= 1
+                        if uses[source.name] == 0 and source.name not in self._final_names(groups):
+                            env.pop(source.name, None)
+        for g in groups:
+            if self.tokens_left.get(g):
+                self.recomputed[g] = _first_tensor(env[self.traced.members[g][-1]])
+        for g in list(self.cache_stages):
+            self.cache_stages[g].discard(stage)
+            self._release_cache(g)
+
+    def _final_names(self, groups) -> set[str]:
+        return {self.traced.members[g][-1] for g in groups}
+
+    def _release_cache(self, g: int):
+        if not self.cache_stages[g]:
+            del self.cache_stages[g]
+            for name in self.cached_names[g]:
+                self.cache.pop(name, None)
+
+    def _load(self, args, local: dict | None = None):
+        def value(a: fx.Node):
+            if local is not None and a.name in local:
+                return local[a.name]
+            if a.name in self.constants:
+                return self.constants[a.name]
+            if a.name in self.env:
+                return self.env[a.name]
+            assert a.name in self.cache, f"executor bug: {a.name} is neither kept nor recomputed"
+            return self.cache[a.name]
+        return fx.node.map_arg(args, value)
+
+    def _run(self, node: fx.Node, args, kwargs, recompute: bool):
+        random = self._is_random(node)
+        if random and not recompute:
+            self.rng_states[node.name] = _rng_state(self.constants)
+        if random and recompute:
+            _set_rng_state(self.constants, self.rng_states[node.name])
+        if node.op == "get_attr":
+            return _fetch_attr(self.traced.module, node.target)
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        module = self.modules[node.target]
+        if recompute and isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training:
+            # Batch statistics, as in the forward pass, but the running statistics stay as they are.
+            return F.batch_norm(args[0], None, None, module.weight, module.bias, True, 0.0, module.eps)
+        return module(*args, **kwargs)
+
+    def _is_random(self, node: fx.Node) -> bool:
+        if node.op == "call_module":
+            module = self.modules[node.target]
+            return isinstance(module, (torch.nn.modules.dropout._DropoutNd, torch.nn.AlphaDropout)) and module.training
+        return node.op == "call_function" and node.target in _RANDOM_FUNCTIONS
+
+
+def _last_uses(graph: fx.Graph, within: set[str] | None = None) -> dict[str, int]:
+    """How many nodes (of ``within``, if given) read each node."""
+    counts: dict[str, int] = {}
+    for node in graph.nodes:
+        if within is not None and node.name not in within:
+            continue
+        for source in node.all_input_nodes:
+            counts[source.name] = counts.get(source.name, 0) + 1
+    return counts
+
+
+def _first_tensor(value) -> torch.Tensor:
+    return next(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+def _fetch_attr(module: torch.nn.Module, target: str):
+    value = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _devices(constants: dict) -> set[torch.device]:
+    return {t.device for t in tree_leaves(list(constants.values())) if isinstance(t, torch.Tensor)}
+
+
+def _rng_state(constants: dict):
+    devices = _devices(constants)
+    cuda = [d for d in devices if d.type == "cuda"]
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda], cuda
+
+
+def _set_rng_state(constants: dict, state):
+    cpu, cuda_states, cuda_devices = state
+    torch.set_rng_state(cpu)
+    for s, d in zip(cuda_states, cuda_devices):
+        torch.cuda.set_rng_state(s, d)
+
+
+@contextlib.contextmanager
+def _preserved_rng(constants: dict):
+    """Recomputation replays RNG states; the program's own RNG stream continues as if it had not."""
+    state = _rng_state(constants)
+    try:
+        yield
+    finally:
+        _set_rng_state(constants, state)

@@ -1,0 +1,236 @@
+"""Trace a module into the IR: torch.fx at layer granularity, sizes from a run on the meta device.
+
+NOTE [nodes are storages]
+fx gives one node per layer call (torch.nn modules stay leaves: convolution, normalisation, activation,
+pooling, linear; functions such as add, cat, interpolate and flatten are nodes of their own). An IR node
+is a *value*, and in PyTorch a value is a storage: an in-place layer (``ReLU(inplace=True)``, ``out +=
+identity``) or a view (``flatten``, slicing) writes or reads its input's storage and allocates nothing. So
+fx nodes are grouped by the storage they produce: a node that allocates a new storage starts an IR node;
+one that only aliases an existing storage joins that storage's IR node. IR nodes are ordered by their
+last member (the moment the value is final), which keeps the order topological when a later in-place
+member writes in place reading another value (``out += identity``); a view does not move it. Nodes that produce no tensor (``x.size(0)``) and views
+of inputs or parameters stay out of the IR: they cost nothing to keep.
+
+While the meta run goes, ``saved_tensors_hooks`` record what autograd saves for each layer: saved
+storages that belong to an IR node become ``backward_reads``; any other saved storage (max-pooling
+indices, batch-norm statistics) counts as ``saved_extra_bytes``.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._pytree import tree_leaves
+
+from strategies import Graph
+
+COST_MODELS = ("paper", "flops")
+_CONV_TYPES = (torch.nn.modules.conv._ConvNd,)
+_CONV_FUNCTIONS = {torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d}
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A traced module: the fx module the executor runs and the IR strategies plan on."""
+
+    module: fx.GraphModule
+    graph: Graph
+    members: tuple[tuple[str, ...], ...]  # fx node names of each IR node, in execution order
+    group_of: dict[str, int]  # fx node name -> IR node, for the fx nodes that belong to one
+    fx_node_count: int  # layer calls (fx nodes other than inputs, attributes and the output)
+
+
+class TraceFailure(RuntimeError):
+    pass
+
+
+def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str = "paper") -> Traced:
+    """Trace ``model`` on ``example_input`` into a ``Traced`` (see NOTE [nodes are storages])."""
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"unknown cost_model {cost_model!r}; valid: {', '.join(COST_MODELS)}")
+    gm = _symbolic_trace(model)
+    meta_module = gm if _on_meta(gm) else copy.deepcopy(gm).to("meta")
+    probe = _Probe(meta_module, cost_model)
+    with torch.enable_grad():
+        probe.run(example_input.to("meta").requires_grad_(False))
+    return probe.result(gm)
+
+
+def _on_meta(module: torch.nn.Module) -> bool:
+    return all(t.device.type == "meta" for t in list(module.parameters()) + list(module.buffers()))
+
+
+def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
+    try:
+        return fx.symbolic_trace(model)
+    except Exception as error:  # fx raises TraceError, but also TypeError/AttributeError from user code
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if "/torch/" not in f.filename]
+        where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+        raise TraceFailure(f"torch.fx cannot trace {type(model).__name__}{where}: {error}. Make the module "
+                           "traceable (no Python control flow on tensor values) or trace a wrapper that "
+                           "skips that call") from error
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    return t.untyped_storage()
+
+
+class _Probe(fx.Interpreter):
+    """Runs the fx module on meta tensors and groups its nodes into IR nodes."""
+
+    def __init__(self, gm: fx.GraphModule, cost_model: str):
+        super().__init__(gm)
+        self.cost_model = cost_model
+        self.static = {id(_storage(t)) for t in list(gm.parameters()) + list(gm.buffers())}
+        self.group_of_storage: dict[int, tuple[weakref.ref, int]] = {}
+        self.groups: list[dict] = []  # each: members, bytes, cost, reads, extra, params, kind
+        self.group_of: dict[str, int] = {}
+        self.fx_count = 0
+        self._keep_alive = []  # meta tensors are free; holding them keeps storage ids unique
+
+    def _group(self, storage) -> int | None:
+        entry = self.group_of_storage.get(id(storage))
+        return entry[1] if entry and entry[0]() is storage else None
+
+    def run_node(self, node: fx.Node):
+        if node.op in ("placeholder", "get_attr", "output"):
+            result = super().run_node(node)
+            if node.op == "placeholder":
+                self.static.update(id(_storage(t)) for t in tree_leaves(result) if isinstance(t, torch.Tensor))
+            return result
+        self.fx_count += 1
+        saved = []
+
+        def pack(t):
+            saved.append(t)
+            return t
+
+        flops = FlopCounterMode(display=False) if self.cost_model == "flops" else None
+        inputs = [t for t in tree_leaves(self._inputs(node)) if isinstance(t, torch.Tensor)]
+        versions = [t._version for t in inputs]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if flops is not None:
+                with flops:
+                    result = super().run_node(node)
+            else:
+                result = super().run_node(node)
+        wrote = any(t._version != v for t, v in zip(inputs, versions))
+        self._record(node, result, saved, flops.get_total_flops() if flops is not None else None, wrote)
+        return result
+
+    def _inputs(self, node: fx.Node):
+        return [self.env[n] for n in node.all_input_nodes if n in self.env]
+
+    def _record(self, node: fx.Node, result, saved, flop_count, wrote_in_place: bool):
+        outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+        self._keep_alive += outputs
+        new = {}
+        for t in outputs:
+            s = _storage(t)
+            if id(s) not in self.static and self._group(s) is None:
+                new[id(s)] = s
+        aliased = [self._group(_storage(t)) for t in outputs if self._group(_storage(t)) is not None]
+        if new:
+            g = len(self.groups)
+            self.groups.append(dict(members=[], final=node, bytes=sum(s.nbytes() for s in new.values()), cost=0.0,
+                                    reads=set(), extra=0, params=0, kind=_kind(node, self.module)))
+            for s in new.values():
+                self.group_of_storage[id(s)] = (weakref.ref(s), g)
+        elif aliased:
+            g = aliased[0]
+        else:
+            return  # no tensor, or a view of an input or parameter: not an IR node
+        group = self.groups[g]
+        group["members"].append(node)
+        if wrote_in_place:
+            group["final"] = node
+        group["cost"] += _cost(node, self.module, self.cost_model, flop_count)
+        group["params"] += _param_bytes(node, self.module)
+        self.group_of[node.name] = g
+        for t in saved:
+            owner = self._group(_storage(t))
+            if owner is not None:
+                group["reads"].add(owner)
+            elif id(_storage(t)) not in self.static:
+                group["extra"] += _storage(t).nbytes()
+        self._keep_alive += saved
+
+    def result(self, gm: fx.GraphModule) -> Traced:
+        # The probe may run a meta copy of gm: match nodes by name.
+        position = {node.name: i for i, node in enumerate(gm.graph.nodes)}
+        order = sorted(range(len(self.groups)), key=lambda g: position[self.groups[g]["final"].name])
+        rank = {g: i for i, g in enumerate(order)}
+        edges = set()
+        for g, group in enumerate(self.groups):
+            for node in group["members"]:
+                for source in node.all_input_nodes:
+                    h = self.group_of.get(source.name)
+                    if h is not None and h != g:
+                        edges.add((rank[h], rank[g]))
+        groups = [self.groups[g] for g in order]
+        graph = Graph(
+            mem_bytes=[g["bytes"] for g in groups],
+            cost=[g["cost"] for g in groups],
+            edges=sorted(edges),
+            names=[g["final"].name for g in groups],
+            kinds=[g["kind"] for g in groups],
+            backward_reads=[sorted(rank[h] for h in g["reads"]) for g in groups],
+            saved_extra_bytes=[g["extra"] for g in groups],
+            param_bytes=[g["params"] for g in groups],
+        )
+        members = tuple(tuple(node.name for node in g["members"]) for g in groups)
+        group_of = {name: i for i, names in enumerate(members) for name in names}
+        return Traced(module=gm, graph=graph, members=members, group_of=group_of, fx_node_count=self.fx_count)
+
+
+def _target(node: fx.Node, module: torch.nn.Module):
+    return module.get_submodule(node.target) if node.op == "call_module" else node.target
+
+
+_KINDS = [
+    ("conv", (torch.nn.modules.conv._ConvNd,), {"conv1d", "conv2d", "conv3d", "conv_transpose2d"}),
+    ("norm", (torch.nn.modules.batchnorm._NormBase, torch.nn.GroupNorm, torch.nn.LayerNorm),
+     {"batch_norm", "layer_norm", "group_norm"}),
+    ("act", (torch.nn.ReLU, torch.nn.ReLU6, torch.nn.GELU, torch.nn.SiLU, torch.nn.Sigmoid, torch.nn.Tanh,
+             torch.nn.LeakyReLU, torch.nn.Identity), {"relu", "relu_", "gelu", "silu", "sigmoid", "tanh"}),
+    ("pool", (torch.nn.modules.pooling._MaxPoolNd, torch.nn.modules.pooling._AvgPoolNd,
+              torch.nn.modules.pooling._AdaptiveAvgPoolNd, torch.nn.modules.pooling._AdaptiveMaxPoolNd),
+     {"max_pool2d", "avg_pool2d", "adaptive_avg_pool2d"}),
+    ("linear", (torch.nn.Linear,), {"linear", "matmul"}),
+    ("dropout", (torch.nn.modules.dropout._DropoutNd,), {"dropout", "dropout2d"}),
+    ("upsample", (torch.nn.Upsample, torch.nn.UpsamplingBilinear2d), {"interpolate", "upsample"}),
+    ("add", (), {"add", "iadd", "add_", "sub"}),
+    ("mul", (), {"mul", "imul", "mul_"}),
+    ("cat", (), {"cat", "concat", "stack"}),
+]
+
+
+def _kind(node: fx.Node, module: torch.nn.Module) -> str:
+    target = _target(node, module)
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    for kind, types, names in _KINDS:
+        if (node.op == "call_module" and isinstance(target, types)) or (node.op != "call_module" and name in names):
+            return kind
+    return "other"
+
+
+def _cost(node: fx.Node, module: torch.nn.Module, cost_model: str, flop_count: int | None) -> float:
+    if cost_model == "flops":
+        return float(flop_count)
+    # Seed 004: 10 for a convolution, 1 for anything else (its Chainer class name starts with "Conv").
+    target = _target(node, module)
+    is_conv = isinstance(target, _CONV_TYPES) and not isinstance(target, torch.nn.modules.conv._ConvTransposeNd)
+    return 10.0 if is_conv or target in _CONV_FUNCTIONS else 1.0
+
+
+def _param_bytes(node: fx.Node, module: torch.nn.Module) -> int:
+    if node.op != "call_module":
+        return 0
+    params = module.get_submodule(node.target).parameters()
+    return sum(p.numel() * p.element_size() for p in params if p.requires_grad)

@@ -1,0 +1,56 @@
+"""Memory-saving strategies on one graph IR; pure Python (this package never imports torch).
+
+``solve(name, graph, budget_bytes=None, **options) -> Plan`` runs the strategy ``name``; ``available()``
+lists the names. Each strategy is one module here with one public function,
+``solve(graph, budget_bytes, *, options=None) -> Plan``, and a frozen ``Options`` dataclass; adding one is
+a new module, a line in ``_MODULES`` and a config under ``configs/strategy/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import time
+from types import ModuleType
+
+from strategies.graph import Graph, bits, members
+from strategies.plan import Action, InfeasibleBudget, Plan
+from strategies.simulate import Prediction, simulate
+
+# name -> module; imported on first use so that a strategy's optional dependencies stay optional.
+_MODULES = {
+    "vanilla": "strategies.vanilla",
+    "liveness_only": "strategies.liveness_only",
+}
+
+__all__ = ["Action", "Graph", "InfeasibleBudget", "Plan", "Prediction", "available", "bits", "members",
+           "module", "simulate", "solve"]
+
+
+def available() -> list[str]:
+    return sorted(_MODULES)
+
+
+def module(name: str) -> ModuleType:
+    """The module of strategy ``name``; an unknown name raises ``KeyError`` listing the valid ones."""
+    if name not in _MODULES:
+        close = difflib.get_close_matches(name, _MODULES, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise KeyError(f"unknown strategy {name!r}; valid strategies: {', '.join(available())}.{hint}")
+    return importlib.import_module(_MODULES[name])
+
+
+def solve(name: str, graph: Graph, budget_bytes: int | None = None, **options) -> Plan:
+    """Run strategy ``name`` on ``graph``; the returned plan records the solver's wall time."""
+    strategy = module(name)
+    valid = [f.name for f in dataclasses.fields(strategy.Options)]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise TypeError(f"strategy {name!r} has no option {', '.join(unknown)}; "
+                        f"its options: {', '.join(valid) or 'none'}")
+    if budget_bytes is not None and budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+    start = time.perf_counter()
+    plan = strategy.solve(graph, budget_bytes, options=strategy.Options(**options))
+    return dataclasses.replace(plan, solve_time_s=time.perf_counter() - start)

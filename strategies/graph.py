@@ -1,0 +1,198 @@
+"""The graph IR every strategy works on (seed 004, section 3).
+
+Nodes are *values* (tensors), numbered ``0..n-1`` in a topological order: node ``v`` is the output of one
+forward computation, with ``mem_bytes[v]`` the size of that output and ``cost[v]`` the cost of computing it.
+An edge ``(u, v)`` means that the computation of ``v`` reads ``u``. Graph inputs and parameters are not
+nodes (seed 004 leaves them out of V).
+
+Sets of nodes are passed around as Python ints used as bitsets (bit ``v`` set means node ``v`` is in the
+set): unions, differences and subset tests are then single integer operations, which is what makes the
+dynamic programmes over lower sets fast. ``bits()`` and ``members()`` convert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+
+def bits(nodes: Iterable[int]) -> int:
+    """The bitset holding ``nodes``."""
+    mask = 0
+    for v in nodes:
+        mask |= 1 << v
+    return mask
+
+
+def members(mask: int) -> list[int]:
+    """The nodes of a bitset, ascending."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Graph:
+    """A computational graph of values.
+
+    ``backward_reads[v]`` lists the nodes whose forward values the backward of ``v``'s computation reads
+    (its saved tensors); by default every predecessor, which is seed 004's model. A traced graph records
+    what autograd really saves (a ReLU its output, an addition nothing). ``saved_extra_bytes[v]`` counts
+    what that backward keeps besides node values (pooling indices, normalisation statistics), and
+    ``param_bytes[v]`` the parameters ``v``'s computation owns, whose gradients its backward makes.
+    Both default to zero, as in seed 004, which leaves parameters out of the model.
+    """
+
+    mem_bytes: tuple[int, ...]
+    cost: tuple[float, ...]
+    edges: tuple[tuple[int, int], ...]
+    names: tuple[str, ...] | None = None
+    kinds: tuple[str, ...] | None = None
+    backward_reads: tuple[tuple[int, ...], ...] | None = None
+    saved_extra_bytes: tuple[int, ...] | None = None
+    param_bytes: tuple[int, ...] | None = None
+    preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    pred_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    succ_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    ancestor_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __init__(self, mem_bytes, cost, edges, names=None, kinds=None, backward_reads=None,
+                 saved_extra_bytes=None, param_bytes=None):
+        n = len(mem_bytes)
+        put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
+        put("mem_bytes", tuple(int(m) for m in mem_bytes))
+        put("cost", tuple(float(c) for c in cost))
+        put("edges", tuple(sorted({(int(u), int(v)) for u, v in edges})))
+        put("names", tuple(names) if names is not None else tuple(f"v{i}" for i in range(n)))
+        put("kinds", tuple(kinds) if kinds is not None else tuple("op" for _ in range(n)))
+        _validate(self)
+        preds = [[] for _ in range(n)]
+        succs = [[] for _ in range(n)]
+        for u, v in self.edges:
+            preds[v].append(u)
+            succs[u].append(v)
+        put("preds", tuple(tuple(p) for p in preds))
+        put("succs", tuple(tuple(s) for s in succs))
+        put("pred_mask", tuple(bits(p) for p in preds))
+        put("succ_mask", tuple(bits(s) for s in succs))
+        ancestors = []
+        for v in range(n):  # topological order: every predecessor's ancestors are known already
+            mask = 1 << v
+            for u in preds[v]:
+                mask |= ancestors[u]
+            ancestors.append(mask)
+        put("ancestor_mask", tuple(ancestors))
+        reads = backward_reads if backward_reads is not None else preds
+        put("backward_reads", tuple(tuple(sorted(set(r))) for r in reads))
+        extra = saved_extra_bytes if saved_extra_bytes is not None else [0] * n
+        put("saved_extra_bytes", tuple(int(b) for b in extra))
+        params = param_bytes if param_bytes is not None else [0] * n
+        put("param_bytes", tuple(int(b) for b in params))
+        _validate_backward(self)
+
+    def __len__(self) -> int:
+        return len(self.mem_bytes)
+
+    @property
+    def all_nodes(self) -> int:
+        """The bitset of V."""
+        return (1 << len(self)) - 1
+
+    def is_lower_set(self, nodes: int | Iterable[int]) -> bool:
+        """True when no edge enters ``nodes`` from outside (closed under predecessors)."""
+        mask = nodes if isinstance(nodes, int) else bits(nodes)
+        return all(self.pred_mask[v] & ~mask == 0 for v in members(mask))
+
+    def boundary(self, lower: int) -> int:
+        """``∂(L)``: the nodes of ``lower`` with an edge leaving it."""
+        return bits(v for v in members(lower) if self.succ_mask[v] & ~lower)
+
+    def out_neighbours(self, nodes: int) -> int:
+        """``δ⁺(S)``: the nodes some node of ``nodes`` feeds."""
+        out = 0
+        for v in members(nodes):
+            out |= self.succ_mask[v]
+        return out
+
+    def in_neighbours(self, nodes: int) -> int:
+        """``δ⁻(S)``: the nodes that feed some node of ``nodes``."""
+        out = 0
+        for v in members(nodes):
+            out |= self.pred_mask[v]
+        return out
+
+    def reaches(self, u: int, v: int) -> bool:
+        """True when there is a path ``u -> ... -> v`` (or ``u == v``)."""
+        return bool(self.ancestor_mask[v] >> u & 1)
+
+    def mem(self, nodes: int) -> int:
+        return sum(self.mem_bytes[v] for v in members(nodes))
+
+    def time(self, nodes: int) -> float:
+        return sum(self.cost[v] for v in members(nodes))
+
+
+def _validate(graph: Graph) -> None:
+    n = len(graph.mem_bytes)
+    if len(graph.cost) != n or len(graph.names) != n or len(graph.kinds) != n:
+        raise ValueError(f"Graph: mem_bytes has {n} entries but cost has {len(graph.cost)}, names "
+                         f"{len(graph.names)} and kinds {len(graph.kinds)}; give one per node")
+    for v in range(n):
+        if graph.mem_bytes[v] < 0:
+            raise ValueError(f"Graph: node {v} ({graph.names[v]}) has negative mem_bytes {graph.mem_bytes[v]}")
+        if graph.cost[v] < 0:
+            raise ValueError(f"Graph: node {v} ({graph.names[v]}) has negative cost {graph.cost[v]}")
+    for u, v in graph.edges:
+        for end in (u, v):
+            if not 0 <= end < n:
+                raise ValueError(f"Graph: edge ({u}, {v}) names node {end}, outside 0..{n - 1}")
+    cycle_node = _node_on_cycle(n, graph.edges)
+    if cycle_node is not None:
+        raise ValueError(f"Graph: the edges form a cycle through node {cycle_node} "
+                         f"({graph.names[cycle_node]}); a computational graph must be acyclic")
+    for u, v in graph.edges:
+        if u >= v:
+            raise ValueError(f"Graph: edge ({u}, {v}) goes from node {u} to the earlier node {v}; number the "
+                             "nodes in a topological order (every edge from a lower id to a higher one)")
+
+
+def _validate_backward(graph: Graph) -> None:
+    n = len(graph)
+    if len(graph.backward_reads) != n or len(graph.saved_extra_bytes) != n or len(graph.param_bytes) != n:
+        raise ValueError("Graph: backward_reads, saved_extra_bytes and param_bytes need one entry per node")
+    for v, reads in enumerate(graph.backward_reads):
+        for u in reads:
+            if u != v and u not in graph.preds[v]:
+                raise ValueError(f"Graph: the backward of node {v} ({graph.names[v]}) reads node {u}, which "
+                                 "is neither the node itself nor one of its predecessors")
+
+
+def _node_on_cycle(n: int, edges: Iterable[tuple[int, int]]) -> int | None:
+    """A node on some cycle, or None (Kahn's algorithm: whatever is never freed lies on or after a cycle)."""
+    indegree = [0] * n
+    succs = [[] for _ in range(n)]
+    for u, v in edges:
+        indegree[v] += 1
+        succs[u].append(v)
+    ready = [v for v in range(n) if indegree[v] == 0]
+    while ready:
+        u = ready.pop()
+        for v in succs[u]:
+            indegree[v] -= 1
+            if indegree[v] == 0:
+                ready.append(v)
+    stuck = [v for v in range(n) if indegree[v] > 0]
+    if not stuck:
+        return None
+    # Walk backwards along stuck predecessors until a node repeats: that node lies on a cycle.
+    stuck_set = set(stuck)
+    preds = {v: [u for u, w in edges if w == v and u in stuck_set] for v in stuck}
+    seen, v = set(), stuck[0]
+    while v not in seen:
+        seen.add(v)
+        v = preds[v][0]
+    return v

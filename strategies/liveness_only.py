@@ -1,0 +1,88 @@
+"""``liveness_only``: no recomputation; every value and gradient freed right after its last use.
+
+Seed 000 (MXNet's memory note) and seed 002 (Caffe): plan memory by simulating reference counts over the
+training step. The plan keeps every forward value, like ``vanilla``, and its figures come in ``info``:
+- ``naive_bytes``: keep everything, every forward value and every gradient (seed 004's model without
+  liveness, equation (2) for one stage);
+- ``liveness_peak_bytes``: the peak when each buffer is freed after its last use (``simulate``);
+- ``static_plan_bytes``: the size of a static memory plan over the same schedule, by MXNet's ``PlanMemory``
+  (``../shared/spec/swap_liveness.md`` section 2.1): buffers go into slots; a freed slot is reused by a
+  later buffer of size within a factor ``match_range`` (best fit from above, else the largest smaller slot,
+  grown); an elementwise computation writes in place into an input that dies there. The plan's size is
+  the sum of its slots, which can exceed the liveness peak (a slot keeps its largest size).
+
+In PyTorch eager autograd is already reference counted, so the executor runs this plan exactly like
+``vanilla``; what differs is the static plan it reports. O(S log S) for a schedule of S buffers.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from strategies.graph import Graph
+from strategies.plan import Plan
+from strategies.simulate import Step, peak_of, simulate, timeline
+from strategies.vanilla import check_budget
+
+# Computations that may write their output over an input that dies there (MXNet's FInplaceOption).
+INPLACE_KINDS = frozenset({"act", "add", "mul", "dropout"})
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    match_range: int = 16  # MXNet's default; 1 allows only exact-size reuse
+    inplace: bool = True
+
+
+def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = None) -> Plan:
+    options = options or Options()
+    if options.match_range < 1:
+        raise ValueError(f"liveness_only: match_range must be at least 1, got {options.match_range}")
+    plan = Plan.from_stages(graph, [graph.all_nodes], strategy="liveness_only", kept=graph.all_nodes,
+                            budget_bytes=budget_bytes)
+    steps = timeline(graph, plan)
+    info = {
+        "naive_bytes": simulate(graph, plan, liveness=False).peak_bytes,
+        "liveness_peak_bytes": peak_of(steps),
+        "static_plan_bytes": static_plan_bytes(graph, steps, options.match_range, options.inplace),
+    }
+    plan = Plan.from_stages(graph, plan.stages, strategy=plan.strategy, kept=plan.kept,
+                            budget_bytes=budget_bytes, info=info)
+    check_budget(graph, plan, budget_bytes)
+    return plan
+
+
+def static_plan_bytes(graph: Graph, steps: list[Step], match_range: int = 16, inplace: bool = True) -> int:
+    """The total size of MXNet-style slots that hold every buffer of ``steps`` (see the module note)."""
+    slot_size: list[int] = []
+    free: list[tuple[int, int]] = []  # (size, slot), sorted
+    slot_of: dict[tuple[str, int], int] = {}
+
+    def release(key):
+        slot = slot_of.pop(key)
+        bisect.insort(free, (slot_size[slot], slot))
+
+    for step in steps:
+        in_place = inplace and step.node >= 0 and graph.kinds[step.node] in INPLACE_KINDS
+        if in_place:
+            for key in step.frees:
+                release(key)
+        for key, size in step.allocs:
+            slot_of[key] = _request(size, free, slot_size, match_range)
+        if not in_place:
+            for key in step.frees:
+                release(key)
+    return sum(slot_size)
+
+
+def _request(size: int, free: list[tuple[int, int]], slot_size: list[int], match_range: int) -> int:
+    i = bisect.bisect_left(free, (size, -1))
+    if i < len(free) and free[i][0] <= size * match_range:  # the smallest free slot at least as big
+        return free.pop(i)[1]
+    if i > 0 and free[i - 1][0] * match_range >= size:  # else the largest smaller one, grown
+        slot = free.pop(i - 1)[1]
+        slot_size[slot] = size
+        return slot
+    slot_size.append(size)
+    return len(slot_size) - 1

@@ -1,0 +1,128 @@
+"""What a strategy decides: the stages of a canonical strategy and which forward values are kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Iterable
+
+from strategies.graph import Graph, bits, members
+
+
+class Action(str, Enum):
+    """What happens to a forward value between the forward and the backward pass."""
+
+    SAVE = "save"
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+class InfeasibleBudget(ValueError):
+    """No plan of this strategy fits ``budget_bytes``; ``min_feasible_bytes`` is the least that does, if known."""
+
+    def __init__(self, budget_bytes: int, min_feasible_bytes: int | None, strategy: str = ""):
+        self.budget_bytes = budget_bytes
+        self.min_feasible_bytes = min_feasible_bytes
+        who = f"{strategy}: " if strategy else ""
+        known = (f"the minimal feasible budget is {min_feasible_bytes} bytes"
+                 if min_feasible_bytes is not None else "the minimal feasible budget is not known")
+        super().__init__(f"{who}no plan fits a budget of {budget_bytes} bytes; {known}")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A recomputation plan on a ``Graph``.
+
+    ``stages`` are the sets ``V_1..V_k`` (bitsets), the differences of an increasing chain of lower sets
+    ``L_1 ⊊ ... ⊊ L_k = V`` (seed 004, section 3). ``kept`` holds the nodes whose forward value survives
+    from the forward pass to the backward pass; every other node is freed after its last forward use and
+    recomputed, stage by stage, in the backward pass. ``info`` carries figures a strategy reports besides
+    its plan (for ``liveness_only``, the static memory plan's size).
+    """
+
+    strategy: str
+    stages: tuple[int, ...]
+    kept: int
+    swapped: int = 0
+    budget_bytes: int | None = None
+    solve_time_s: float = 0.0
+    info: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_stages(cls, graph: Graph, stages: Iterable[Iterable[int] | int], *, strategy: str = "manual",
+                    kept: Iterable[int] | int | None = None, budget_bytes: int | None = None,
+                    solve_time_s: float = 0.0, info: dict[str, float] | None = None) -> "Plan":
+        """A plan from its stages; ``kept`` defaults to the canonical cache ``U_k`` (seed 004)."""
+        masks = tuple(s if isinstance(s, int) else bits(s) for s in stages)
+        if kept is None:
+            kept_mask = canonical_cache(graph, masks)
+        else:
+            kept_mask = kept if isinstance(kept, int) else bits(kept)
+        plan = cls(strategy=strategy, stages=masks, kept=kept_mask, budget_bytes=budget_bytes,
+                   solve_time_s=solve_time_s, info=dict(info or {}))
+        plan.validate(graph)
+        return plan
+
+    @property
+    def recomputed(self) -> int:
+        """Bitset of the nodes recomputed in the backward pass (given the graph's size through ``stages``)."""
+        everything = 0
+        for stage in self.stages:
+            everything |= stage
+        return everything & ~self.kept
+
+    def lower_sets(self) -> list[int]:
+        """The chain ``L_1 ⊊ ... ⊊ L_k``."""
+        chain, lower = [], 0
+        for stage in self.stages:
+            lower |= stage
+            chain.append(lower)
+        return chain
+
+    def stage_of(self, n: int) -> list[int]:
+        """``stage_of[v]``: the index of the stage holding node ``v``."""
+        out = [-1] * n
+        for i, stage in enumerate(self.stages):
+            for v in members(stage):
+                out[v] = i
+        return out
+
+    def action(self, v: int) -> Action:
+        if self.swapped >> v & 1:
+            return Action.SWAP
+        return Action.SAVE if self.kept >> v & 1 else Action.RECOMPUTE
+
+    def validate(self, graph: Graph) -> None:
+        """Raise ``ValueError`` naming the node when the plan does not describe a runnable strategy."""
+        seen = 0
+        for i, stage in enumerate(self.stages):
+            if stage == 0:
+                raise ValueError(f"Plan: stage {i} is empty; every stage V_i must hold a node")
+            if stage & seen:
+                v = members(stage & seen)[0]
+                raise ValueError(f"Plan: node {v} ({graph.names[v]}) lies in more than one stage")
+            seen |= stage
+            if not graph.is_lower_set(seen):
+                v = next(v for v in members(stage) if graph.pred_mask[v] & ~seen)
+                u = members(graph.pred_mask[v] & ~seen)[0]
+                raise ValueError(f"Plan: stage {i} holds node {v} ({graph.names[v]}) but its input {u} "
+                                 f"({graph.names[u]}) comes in a later stage; stages must follow the edges")
+        if seen != graph.all_nodes:
+            v = members(graph.all_nodes & ~seen)[0]
+            raise ValueError(f"Plan: node {v} ({graph.names[v]}) is in no stage; the stages must cover V")
+        stage_of = self.stage_of(len(graph))
+        for u in members(self.recomputed):
+            for w in graph.succs[u]:
+                if stage_of[w] != stage_of[u]:
+                    raise ValueError(f"Plan: node {u} ({graph.names[u]}) is recomputed in stage {stage_of[u]} "
+                                     f"but node {w} ({graph.names[w]}) of stage {stage_of[w]} reads it; keep "
+                                     "it or move the two into one stage")
+
+
+def canonical_cache(graph: Graph, stages: tuple[int, ...]) -> int:
+    """``U_k``: the union of the boundaries ``∂(L_i)`` of the chain (seed 004's canonical strategy)."""
+    cache, lower = 0, 0
+    for stage in stages:
+        lower |= stage
+        cache |= graph.boundary(lower)
+    return cache

@@ -1,0 +1,191 @@
+"""The one simulator every strategy is judged by: a plan's peak memory and recomputation overhead.
+
+NOTE [two memory models]
+``liveness=False`` is seed 004's model as written (``../shared/spec/kusumoto.md`` section 2): the peak of
+equation (2) over the stages, with term (ii) counted twice (forward values and gradients of the whole
+stage) and terms (iii) and (iv) taken at the new lower set. For plans that keep more than the canonical
+cache (``vanilla`` keeps everything) term (i) is the kept memory of the earlier stages, which is
+``m(U_{i-1})`` for a canonical plan. We depart from the paper in one place: parameter gradients (zero on
+hand-written graphs) are added as a constant, so the two models count the same things.
+
+``liveness=True`` replays the step the executor (``harness.execute``) really runs, value by value, and
+frees every value and gradient right after its last use (seed 004's liveness pass, which is also what
+PyTorch's reference-counted autograd does):
+- forward, in node order: a value lives until its last forward reader, and then on into the backward
+  pass only if it is kept and something needs it there (a backward that saved it, or the recomputation
+  of a discarded successor);
+- backward, in reverse node order (the autograd engine's order): the first backward of a stage that
+  needs a discarded value recomputes all the discarded values of that stage, from the kept ones; each
+  backward allocates the gradients of its inputs and its parameters, then frees its output's gradient,
+  its saved extras and every value no later backward reads. A stage none of whose discarded values is
+  read by a backward is not recomputed at all; ``overhead_cost`` still follows equation (1), which charges
+  every discarded value, so it is an upper bound on what the executor recomputes.
+Both return the same ``Prediction``; ``timeline`` exposes the event list so that other analyses (the
+static memory plan of ``liveness_only``) read the very schedule the peak came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strategies.graph import Graph, members
+from strategies.plan import Plan
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    peak_bytes: int
+    overhead_cost: float
+    liveness: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One computation of the replayed training step: what it allocates, then what it frees."""
+
+    node: int
+    phase: str  # "forward", "recompute" or "backward"
+    allocs: tuple[tuple[tuple[str, int], int], ...]  # ((kind, node), bytes); kind: value/grad/extra/param_grad
+    frees: tuple[tuple[str, int], ...]
+
+
+def simulate(graph: Graph, plan: Plan, liveness: bool = True) -> Prediction:
+    """Predict ``plan``'s peak bytes and its overhead in cost units (seed 004, equations (1) and (2))."""
+    overhead = graph.time(plan.recomputed)  # Eq. (1): everything not kept is computed twice
+    if liveness:
+        peak = peak_of(timeline(graph, plan))
+    else:
+        peak = _equation_2_peak(graph, plan) + sum(graph.param_bytes)
+    return Prediction(peak_bytes=peak, overhead_cost=overhead, liveness=liveness)
+
+
+def peak_of(steps: list[Step]) -> int:
+    live, peak = 0, 0
+    sizes: dict[tuple[str, int], int] = {}
+    for step in steps:
+        for key, size in step.allocs:
+            sizes[key] = size
+            live += size
+        peak = max(peak, live)
+        for key in step.frees:
+            live -= sizes.pop(key)
+    assert not sizes, f"simulator bug: {len(sizes)} buffers never freed"
+    return peak
+
+
+def _equation_2_peak(graph: Graph, plan: Plan) -> int:
+    peak, lower = 0, 0
+    for stage in plan.stages:
+        cached_before = graph.mem(plan.kept & lower)  # term (i)
+        lower |= stage
+        later = graph.out_neighbours(lower) & ~lower  # δ⁺(L_i) \ L_i
+        others = graph.in_neighbours(later) & ~lower  # δ⁻(δ⁺(L_i) \ L_i) \ L_i
+        peak = max(peak, cached_before + 2 * graph.mem(stage) + graph.mem(later) + graph.mem(others))
+    return peak
+
+
+def timeline(graph: Graph, plan: Plan) -> list[Step]:
+    """The executor's training step as a list of allocations and frees (NOTE [two memory models])."""
+    n = len(graph)
+    kept = plan.kept
+    discarded = graph.all_nodes & ~kept
+    stage_of = plan.stage_of(n)
+    readers = [[] for _ in range(n)]  # the backwards that read each value
+    for v in range(n):
+        for u in graph.backward_reads[v]:
+            readers[u].append(v)
+    # A stage is recomputed only when some backward reads one of its discarded values.
+    needed = {stage_of[u] for u in members(discarded) if readers[u]}
+    # The recomputed stages that read each kept value.
+    recompute_stages = [{stage_of[w] for w in graph.succs[u] if discarded >> w & 1} & needed
+                        if kept >> u & 1 else set() for u in range(n)]
+    steps = _forward(graph, kept, readers, recompute_stages)
+    steps += _backward(graph, plan, discarded, stage_of, readers, recompute_stages)
+    return steps
+
+
+def _forward(graph, kept, readers, recompute_stages) -> list[Step]:
+    def held(u):
+        return kept >> u & 1 and (readers[u] or recompute_stages[u])
+
+    uses_left = [len(s) for s in graph.succs]
+    steps = []
+    for v in range(len(graph)):
+        allocs = [(("value", v), graph.mem_bytes[v])]
+        if graph.saved_extra_bytes[v]:
+            allocs.append((("extra", v), graph.saved_extra_bytes[v]))
+        frees = []
+        for u in graph.preds[v]:
+            uses_left[u] -= 1
+            if uses_left[u] == 0 and not held(u):
+                frees.append(("value", u))
+        if not graph.succs[v] and not held(v):  # a sink: the loss reads it, then it goes
+            frees.append(("value", v))
+        steps.append(Step(v, "forward", tuple(allocs), tuple(frees)))
+    return steps
+
+
+def _backward(graph, plan, discarded, stage_of, readers, recompute_stages) -> list[Step]:
+    n = len(graph)
+    present = [bool(plan.kept >> u & 1 and (readers[u] or recompute_stages[u])) for u in range(n)]
+    readers_left = [len(r) for r in readers]
+    stages_left = [set(s) for s in recompute_stages]
+    grad_live = [False] * n
+    steps = []
+
+    def release_if_done(u, frees):
+        if present[u] and readers_left[u] == 0 and not stages_left[u]:
+            present[u] = False
+            frees.append(("value", u))
+
+    sinks = [v for v in range(n) if not graph.succs[v]]
+    for v in sinks:  # the loss's gradient with respect to each output
+        grad_live[v] = True
+    steps.append(Step(-1, "backward", tuple((("grad", v), graph.mem_bytes[v]) for v in sinks), ()))
+    recomputed = set()
+    for v in reversed(range(n)):
+        for s in sorted({stage_of[u] for u in graph.backward_reads[v] if not present[u]} - recomputed):
+            recomputed.add(s)
+            steps += _recompute_stage(graph, plan.stages[s] & discarded, s, present, readers_left, stages_left,
+                                      release_if_done)
+        allocs = [(("grad", u), graph.mem_bytes[u]) for u in graph.preds[v] if not grad_live[u]]
+        for u in graph.preds[v]:
+            grad_live[u] = True
+        if graph.param_bytes[v]:
+            allocs.append((("param_grad", v), graph.param_bytes[v]))
+        frees = [("grad", v)]
+        if graph.saved_extra_bytes[v]:
+            frees.append(("extra", v))
+        for u in graph.backward_reads[v]:
+            readers_left[u] -= 1
+            release_if_done(u, frees)
+        steps.append(Step(v, "backward", tuple(allocs), tuple(frees)))
+    # Parameter gradients outlive the step (the optimizer reads them); free them at the end for the tally.
+    steps.append(Step(-1, "backward", (), tuple(("param_grad", v) for v in range(n) if graph.param_bytes[v])))
+    return steps
+
+
+def _recompute_stage(graph, stage_discarded, s, present, readers_left, stages_left, release_if_done):
+    nodes = members(stage_discarded)
+    in_stage_uses = {u: sum(1 for w in graph.succs[u] if stage_discarded >> w & 1) for u in nodes}
+    steps = []
+    for w in nodes:
+        present[w] = True
+        frees = []
+        for u in graph.preds[w]:
+            if u in in_stage_uses:
+                in_stage_uses[u] -= 1
+        for u in graph.preds[w]:
+            if u in in_stage_uses and in_stage_uses[u] == 0:
+                release_if_done(u, frees)
+        if in_stage_uses[w] == 0:
+            release_if_done(w, frees)
+        steps.append(Step(w, "recompute", ((("value", w), graph.mem_bytes[w]),), tuple(frees)))
+    for u in range(len(graph)):
+        if s in stages_left[u]:  # this stage's recomputation was the last reader of a kept value
+            stages_left[u].discard(s)
+            frees = []
+            release_if_done(u, frees)
+            if frees:
+                steps.append(Step(u, "recompute", (), tuple(frees)))
+    return steps

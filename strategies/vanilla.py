@@ -1,0 +1,35 @@
+"""``vanilla``: the plain training step, no recomputation.
+
+One stage holding all of V, every forward value kept for the backward pass: what ``loss.backward()`` does.
+The budget is only checked: the plan's predicted peak (``simulate`` with liveness, which is how PyTorch's
+reference-counted autograd frees) is its minimal feasible budget. O(|V| + |E|).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strategies.graph import Graph
+from strategies.plan import InfeasibleBudget, Plan
+from strategies.simulate import simulate
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    pass
+
+
+def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = None) -> Plan:
+    plan = Plan.from_stages(graph, [graph.all_nodes], strategy="vanilla", kept=graph.all_nodes,
+                            budget_bytes=budget_bytes)
+    check_budget(graph, plan, budget_bytes)
+    return plan
+
+
+def check_budget(graph: Graph, plan: Plan, budget_bytes: int | None) -> None:
+    """Raise ``InfeasibleBudget`` when a plan with no choices left exceeds the budget."""
+    if budget_bytes is None:
+        return
+    peak = simulate(graph, plan).peak_bytes
+    if peak > budget_bytes:
+        raise InfeasibleBudget(budget_bytes, peak, plan.strategy)
