@@ -143,15 +143,21 @@ def build(name: str, batch_size: int | None = None, image_size: int | None = Non
     net = spec(name)
     batch_size = net.batch_size if batch_size is None else batch_size
     image_size = net.image_size if image_size is None else image_size
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    if not net.valid_side(image_size):
-        raise ValueError(f"{name} needs an image side that is {net.side_rule}; got {image_size}")
+    check_sizes(name, batch_size, image_size)
     with torch.device(device):
         model = net.build_model()
     model.train()
     example_input = torch.randn(batch_size, 3, image_size, image_size, device=device)
     return model, example_input, LOSSES[net.loss]
+
+
+def check_sizes(name: str, batch_size: int, image_size: int) -> None:
+    """Raise ``ValueError`` saying what is valid when net ``name`` cannot take these sizes."""
+    net = spec(name)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    if not net.valid_side(image_size):
+        raise ValueError(f"{name} needs an image side that is {net.side_rule}; got {image_size}")
 
 
 def classification_loss(output: torch.Tensor) -> torch.Tensor:

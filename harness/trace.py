@@ -55,11 +55,20 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
     if cost_model not in COST_MODELS:
         raise ValueError(f"unknown cost_model {cost_model!r}; valid: {', '.join(COST_MODELS)}")
     gm = _symbolic_trace(model)
-    meta_module = gm if _on_meta(gm) else copy.deepcopy(gm).to("meta")
+    meta_module = gm if _on_meta(gm) else _meta_copy(gm)
     probe = _Probe(meta_module, cost_model)
     with torch.enable_grad():
         probe.run(example_input.to("meta").requires_grad_(False))
     return probe.result(gm)
+
+
+def _meta_copy(module: fx.GraphModule) -> fx.GraphModule:
+    """A copy on the meta device, made without copying any weight."""
+    memo = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        meta = t.detach().to("meta")
+        memo[id(t)] = torch.nn.Parameter(meta, t.requires_grad) if isinstance(t, torch.nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
 
 
 def _on_meta(module: torch.nn.Module) -> bool:

@@ -1,0 +1,26 @@
+"""Budgets as users write them: null, a byte count, or a size such as ``6GB`` or ``512MiB``."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_budget(budget) -> int | None:
+    """Bytes, or None for no budget; a malformed budget raises ``ValueError`` saying what is valid."""
+    if budget is None or isinstance(budget, int) and not isinstance(budget, bool):
+        if budget is not None and budget <= 0:
+            raise ValueError(f"budget must be positive, got {budget}")
+        return budget
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(budget))
+    unit = match.group(2).upper() if match else ""
+    if not match or (unit and unit not in _UNITS):
+        raise ValueError(f"malformed budget {budget!r}: give null, a byte count, or a number with a unit "
+                         f"({', '.join(u if u in ('B', 'KB', 'MB', 'GB', 'TB') else u[:-2] + 'iB' for u in _UNITS)}),"
+                         " for example 6GB or 512MiB")
+    size = int(float(match.group(1)) * _UNITS[unit or "B"])
+    if size <= 0:
+        raise ValueError(f"budget must be positive, got {budget!r}")
+    return size

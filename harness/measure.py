@@ -1,0 +1,221 @@
+"""Measure one training step's memory (and time, where there is a clock worth reading).
+
+NOTE [measurement protocol]
+- One tracker on every device: a ``TorchDispatchMode`` that sees every tensor an op returns, counts the
+  bytes of each storage from its creation until it is freed, and keeps the peak. Parameters, buffers and
+  the inputs are counted from the start; a storage becomes a parameter gradient when it lands in
+  ``.grad``. The parts at the peak are parameters (with buffers), gradients and activations (everything
+  else: inputs, activations, their gradients, temporaries).
+- ``meta``: the real program on meta tensors, nothing allocated; the tracker's peak is the measurement.
+  No time is measured (there is nothing to time).
+- ``cpu``: the tracker's peak, and the wall time of a step, median and IQR of ``timed_steps`` steps after
+  ``warmup_steps`` (the tracker is off while timing).
+- ``cuda``: ``gc``, ``empty_cache`` and ``reset_peak_memory_stats``, one step, then
+  ``max_memory_allocated`` and ``max_memory_reserved`` and NVML's used memory of the device (pynvml);
+  warm-up steps, then CUDA-event timing of each step, median and IQR. The tracker's peak is taken on a
+  separate step so that its hooks do not slow the timed ones, and the row carries it beside the
+  allocator's figures so that their agreement shows. Only ``torch.cuda.OutOfMemoryError`` is caught
+  (the caller turns it into an ``oom`` row). Run one measurement per process, one at a time per GPU.
+Every step starts with the parameters' gradients set to None, so a step never sees the last one's.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+DEVICES = ("meta", "cpu", "cuda")
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    device: str
+    method: str
+    peak_bytes: int  # the device's own figure where it has one (cuda: max allocated), else the tracker's
+    tracker_peak_bytes: int
+    params_bytes: int  # parts at the tracker's peak
+    grads_bytes: int
+    activations_bytes: int
+    reserved_bytes: int | None = None
+    nvml_used_bytes: int | None = None
+    step_time_ms: float | None = None
+    step_time_iqr_ms: float | None = None
+    device_name: str = ""
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Counts the live bytes of every storage that ops create (see NOTE [measurement protocol])."""
+
+    def __init__(self, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]):
+        super().__init__()
+        self.live: dict[int, tuple[int, str]] = {}  # storage id -> (bytes, part)
+        self.current = {"params": 0, "grads": 0, "activations": 0}
+        self.peak_bytes = 0
+        self.peak_parts = dict(self.current)
+        self._hooks = []
+        for t in list(model.parameters()) + list(model.buffers()):
+            self._add(t.untyped_storage(), "params")
+        for t in inputs:
+            self._add(t.untyped_storage(), "activations")
+        for p in model.parameters():
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._mark_grad))
+
+    def _add(self, storage: torch.UntypedStorage, part: str):
+        key = id(storage)
+        if key in self.live:
+            return
+        size = storage.nbytes()
+        self.live[key] = (size, part)
+        self.current[part] += size
+        weakref.finalize(storage, self._free, key)
+        total = sum(self.current.values())
+        if total > self.peak_bytes:
+            self.peak_bytes = total
+            self.peak_parts = dict(self.current)
+
+    def _free(self, key: int):
+        size, part = self.live.pop(key)
+        self.current[part] -= size
+
+    def _mark_grad(self, param: torch.Tensor):
+        storage = param.grad.untyped_storage()
+        entry = self.live.get(id(storage))
+        if entry is None:
+            self._add(storage, "grads")
+        elif entry[1] != "grads":
+            self.current[entry[1]] -= entry[0]
+            self.current["grads"] += entry[0]
+            self.live[id(storage)] = (entry[0], "grads")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._add(t.untyped_storage(), "activations")
+        return out
+
+    def __exit__(self, *exc):
+        for hook in self._hooks:
+            hook.remove()
+        return super().__exit__(*exc)
+
+
+def measure(step: Callable[[], object], model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], device: str,
+            warmup_steps: int = 2, timed_steps: int = 5) -> Measurement:
+    """Measure ``step`` (one training step of ``model`` on ``inputs``) on ``device``."""
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; valid devices: {', '.join(DEVICES)}")
+    tracked = _tracked_step(step, model, inputs)
+    if device == "meta":
+        return Measurement(device="meta", method="meta-tracker", peak_bytes=tracked.peak_bytes,
+                           tracker_peak_bytes=tracked.peak_bytes, device_name="meta", **_parts(tracked))
+    if device == "cpu":
+        times = _timed(step, model, warmup_steps, timed_steps, _wall_ms)
+        return Measurement(device="cpu", method="cpu-tracker+wall-clock", peak_bytes=tracked.peak_bytes,
+                           tracker_peak_bytes=tracked.peak_bytes, device_name=_cpu_name(), **_parts(tracked),
+                           **_median_iqr(times))
+    return _measure_cuda(step, model, tracked, warmup_steps, timed_steps)
+
+
+def _tracked_step(step, model, inputs) -> MemoryTracker:
+    _clear_grads(model)
+    with MemoryTracker(model, inputs) as tracker:
+        step()
+    _clear_grads(model)
+    return tracker
+
+
+def _parts(tracker: MemoryTracker) -> dict:
+    return dict(params_bytes=tracker.peak_parts["params"], grads_bytes=tracker.peak_parts["grads"],
+                activations_bytes=tracker.peak_parts["activations"])
+
+
+def _clear_grads(model):
+    for p in model.parameters():
+        p.grad = None
+
+
+def _timed(step, model, warmup_steps, timed_steps, clock) -> list[float]:
+    for _ in range(warmup_steps):
+        _clear_grads(model)
+        step()
+    times = []
+    for _ in range(timed_steps):
+        _clear_grads(model)
+        times.append(clock(step))
+    _clear_grads(model)
+    return times
+
+
+def _wall_ms(step) -> float:
+    start = time.perf_counter()
+    step()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _cuda_ms(step) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def _median_iqr(times: list[float]) -> dict:
+    if len(times) < 2:
+        return dict(step_time_ms=times[0] if times else None, step_time_iqr_ms=0.0 if times else None)
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    return dict(step_time_ms=statistics.median(times), step_time_iqr_ms=q3 - q1)
+
+
+def _measure_cuda(step, model, tracked, warmup_steps, timed_steps) -> Measurement:
+    _clear_grads(model)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    nvml_used = _nvml_used_bytes()
+    times = _timed(step, model, warmup_steps, timed_steps, _cuda_ms)
+    return Measurement(device="cuda", method="cuda-allocator+nvml+cuda-events", peak_bytes=allocated,
+                       tracker_peak_bytes=tracked.peak_bytes, reserved_bytes=reserved, nvml_used_bytes=nvml_used,
+                       device_name=torch.cuda.get_device_name(), **_parts(tracked), **_median_iqr(times))
+
+
+def _nvml_used_bytes() -> int:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        index = torch.cuda.current_device()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _cpu_name() -> str:
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def check_device(device: str) -> None:
+    """Raise a clear error for a device this machine cannot run; never fall back silently."""
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; valid devices: {', '.join(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda was asked for but torch sees no CUDA GPU here; use device=meta "
+                           "(the default: counts bytes without allocating) or device=cpu")

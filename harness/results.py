@@ -1,0 +1,45 @@
+"""The result store: one flat JSON row per run, written atomically; ``load_results`` reads them all."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+SCHEMA_VERSION = 1
+STATUSES = ("ok", "oom", "infeasible", "error")
+
+
+def cell_name(row: dict) -> str:
+    """The file name of a run's row: one file per (net, strategy, batch, size, budget, cost model, device)."""
+    budget = "budgetauto" if row["budget_bytes"] is None else f"{row['budget_bytes']}B"
+    return (f"{row['net']}__{row['strategy']}__b{row['batch_size']}__s{row['image_size']}__{budget}"
+            f"__{row['cost_model']}__{row['device']}.json")
+
+
+def write_row(row: dict, directory: str | os.PathLike) -> Path:
+    """Write ``row`` to ``directory/cell_name(row)``; a reader never sees half a file."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / cell_name(row)
+    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as out:
+        json.dump(row, out, indent=1, sort_keys=True)
+        out.write("\n")
+    os.replace(out.name, path)
+    return path
+
+
+def read_row(path: str | os.PathLike) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def load_results(path: str | os.PathLike) -> pd.DataFrame:
+    """Every row under ``path`` (a row file or a folder searched recursively), one DataFrame row each."""
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(path.rglob("*.json"))
+    rows = [read_row(f) for f in files]
+    rows = [r for r in rows if isinstance(r, dict) and "schema_version" in r]
+    return pd.DataFrame(rows)

@@ -1,0 +1,136 @@
+"""One measurement, end to end: net -> trace -> Graph -> strategy -> Plan -> executor -> measurement -> row.
+
+``run_cell`` is a plain function (the Hydra entry point in ``__main__`` is a thin wrapper around it), so
+tests and scripts call it directly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import platform
+import subprocess
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+import strategies
+from harness import nets
+from harness.budget import parse_budget
+from harness.execute import execute
+from harness.measure import check_device, measure
+from harness.results import SCHEMA_VERSION, cell_name, read_row, write_row
+from harness.trace import COST_MODELS, trace
+
+log = logging.getLogger(__name__)
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_size: int | None = None,
+             device: str = "meta", budget=None, cost_model: str = "paper", options: dict | None = None,
+             warmup_steps: int = 2, timed_steps: int = 5, results_dir: str | Path | None = None,
+             resume: bool = False) -> dict:
+    """Measure ``strategy`` on ``net`` and return the result row (also written under ``results_dir``)."""
+    spec = nets.spec(net)  # bad input fails here, before anything is built
+    strategies.module(strategy)
+    check_device(device)
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"unknown cost_model {cost_model!r}; valid: {', '.join(COST_MODELS)}")
+    row = {
+        "schema_version": SCHEMA_VERSION, "net": net, "strategy": strategy,
+        "batch_size": spec.batch_size if batch_size is None else batch_size,
+        "image_size": spec.image_size if image_size is None else image_size,
+        "device": device, "cost_model": cost_model, "budget_bytes": parse_budget(budget),
+        "options": dict(options or {}), "warmup_steps": warmup_steps, "timed_steps": timed_steps,
+        "paper_node_count": spec.paper_nodes, **_environment(),
+    }
+    nets.check_sizes(net, row["batch_size"], row["image_size"])
+    if resume and results_dir is not None and (Path(results_dir) / cell_name(row)).exists():
+        done = read_row(Path(results_dir) / cell_name(row))
+        if done.get("status") in ("ok", "oom", "infeasible"):
+            log.info("%s: already measured (%s), skipped", cell_name(row), done["status"])
+            return done
+    start = time.perf_counter()
+    try:
+        row.update(_measure_cell(row))
+        row["status"] = "ok"
+    except strategies.InfeasibleBudget as error:
+        row.update(status="infeasible", error=str(error), min_feasible_bytes=error.min_feasible_bytes)
+    except torch.cuda.OutOfMemoryError as error:
+        row.update(status="oom", error=str(error).splitlines()[0])
+    except Exception as error:  # recorded as an error row, so that a sweep goes on
+        row.update(status="error", error=f"{type(error).__name__}: {error}")
+        log.error("%s", traceback.format_exc())
+    row["wall_time_s"] = time.perf_counter() - start
+    if results_dir is not None:
+        row["row_path"] = str(write_row(row, results_dir))
+    log.info("%s", summary(row))
+    return row
+
+
+def _measure_cell(row: dict) -> dict:
+    model, example_input, loss_fn = nets.build(row["net"], row["batch_size"], row["image_size"], row["device"])
+    traced = trace(model, example_input, row["cost_model"])
+    graph = traced.graph
+    plan = strategies.solve(row["strategy"], graph, row["budget_bytes"], **row["options"])
+    static_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    static_bytes += example_input.numel() * example_input.element_size()
+    predicted = strategies.simulate(graph, plan, liveness=True)
+    predicted_no_liveness = strategies.simulate(graph, plan, liveness=False)
+    measured = measure(lambda: execute(traced, plan, example_input, loss_fn=loss_fn), model, (example_input,),
+                       row["device"], row["warmup_steps"], row["timed_steps"])
+    return {
+        "method": measured.method, "device_name": measured.device_name,
+        "measured_peak_bytes": measured.peak_bytes, "tracker_peak_bytes": measured.tracker_peak_bytes,
+        "measured_params_bytes": measured.params_bytes, "measured_grads_bytes": measured.grads_bytes,
+        "measured_activations_bytes": measured.activations_bytes, "reserved_bytes": measured.reserved_bytes,
+        "nvml_used_bytes": measured.nvml_used_bytes, "step_time_ms": measured.step_time_ms,
+        "step_time_iqr_ms": measured.step_time_iqr_ms,
+        "predicted_peak_bytes": predicted.peak_bytes + static_bytes,
+        "predicted_peak_no_liveness_bytes": predicted_no_liveness.peak_bytes + static_bytes,
+        "predicted_overhead_cost": predicted.overhead_cost, "total_cost": sum(graph.cost),
+        "static_bytes": static_bytes, "node_count": len(graph), "layer_count": len(traced.group_of),
+        "stage_count": len(plan.stages), "recomputed_node_count": bin(plan.recomputed).count("1"),
+        "solve_time_s": plan.solve_time_s, **{f"plan_{key}": value for key, value in plan.info.items()},
+    }
+
+
+def _environment() -> dict:
+    return {"torch_version": torch.__version__, "git_commit": _git("rev-parse", "HEAD"),
+            "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+            "hostname": platform.node(), "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+
+
+def _git(*args: str) -> str:
+    try:
+        done = subprocess.run(["git", *args], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def _gb(value) -> str:
+    return "n/a" if value is None else f"{value / 1e9:.2f} GB"
+
+
+def summary(row: dict) -> str:
+    """A few lines a person can read."""
+    head = (f"{row['net']} / {row['strategy']}: batch {row['batch_size']}, {row['image_size']}x{row['image_size']}, "
+            f"device {row['device']} -> {row['status']}")
+    if row["status"] != "ok":
+        return f"{head}\n  {row.get('error', '')}"
+    time_part = (f"; step {row['step_time_ms']:.1f} ms (IQR {row['step_time_iqr_ms']:.1f})"
+                 if row.get("step_time_ms") is not None else "")
+    return "\n".join([
+        head,
+        f"  measured peak {_gb(row['measured_peak_bytes'])} ({row['method']}): params "
+        f"{_gb(row['measured_params_bytes'])}, grads {_gb(row['measured_grads_bytes'])}, activations "
+        f"{_gb(row['measured_activations_bytes'])}{time_part}",
+        f"  predicted peak {_gb(row['predicted_peak_bytes'])} (without liveness "
+        f"{_gb(row['predicted_peak_no_liveness_bytes'])}); overhead {row['predicted_overhead_cost']:g} of "
+        f"{row['total_cost']:g} cost units; {row['stage_count']} stage(s), {row['recomputed_node_count']} recomputed",
+        f"  graph: {row['node_count']} IR nodes from {row['layer_count']} layers (paper #V {row['paper_node_count']}); "
+        f"solve {row['solve_time_s'] * 1e3:.1f} ms; run {row['wall_time_s']:.1f} s",
+    ] + ([f"  row: {row['row_path']}"] if "row_path" in row else []))

@@ -1,0 +1,56 @@
+"""The memory tracker against answers worked out by hand."""
+
+import pytest
+import torch
+from torch import nn
+
+from harness.execute import execute
+from harness.measure import check_device, measure
+from harness.trace import trace
+
+
+def test_tracker_peak_on_a_toy_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 20, bias=False), nn.ReLU(), nn.Linear(20, 5, bias=False)).to("meta")
+    x = torch.randn(4, 10, device="meta")
+    traced = trace(model, x)
+    plan_vanilla = __import__("strategies").solve("vanilla", traced.graph)
+    m = measure(lambda: execute(traced, plan_vanilla, x), model, (x,), "meta")
+    # float32 bytes. At the start: W1 800 + W2 400 (parameters) and x 160.
+    # Forward: h = x W1^T 320, r = relu(h) 320 (h dies: ReLU saves its output), o = r W2^T 80,
+    # loss 4 (o dies). Backward: grad of the loss 4; lin2 gives grad r 320 and grad W2 400 (-> .grad);
+    # ReLU gives grad h 320, then r and grad r die; lin1 gives grad W1 800 while grad h still lives.
+    # Peak there: 1200 + 160 + 4 + 4 + 400 + 320 + 800 = 2888, with W1's gradient not yet in .grad.
+    assert m.peak_bytes == 2888
+    assert (m.params_bytes, m.grads_bytes, m.activations_bytes) == (1200, 400, 1288)
+    assert m.method == "meta-tracker" and m.step_time_ms is None
+
+
+def test_cpu_measures_time_too():
+    model = nn.Sequential(nn.Linear(10, 20), nn.ReLU())
+    x = torch.randn(4, 10)
+    traced = trace(model, x)
+    plan = __import__("strategies").solve("vanilla", traced.graph)
+    m = measure(lambda: execute(traced, plan, x), model, (x,), "cpu", warmup_steps=1, timed_steps=3)
+    assert m.step_time_ms > 0 and m.step_time_iqr_ms >= 0 and m.peak_bytes > 0
+    assert all(p.grad is None for p in model.parameters())  # measurement leaves no gradients behind
+
+
+def test_devices_are_checked():
+    with pytest.raises(ValueError, match="valid devices: meta, cpu, cuda"):
+        check_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no CUDA GPU"):
+            check_device("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_figures_agree_with_the_tracker():
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10)).cuda()
+    x = torch.randn(64, 256, device="cuda")
+    traced = trace(model, x)
+    plan = __import__("strategies").solve("vanilla", traced.graph)
+    m = measure(lambda: execute(traced, plan, x), model, (x,), "cuda", warmup_steps=1, timed_steps=3)
+    assert m.reserved_bytes >= m.peak_bytes > 0 and m.nvml_used_bytes > 0 and m.step_time_ms > 0
+    assert abs(m.peak_bytes - m.tracker_peak_bytes) <= 0.1 * m.peak_bytes

@@ -1,0 +1,104 @@
+"""The entry point: configs, result rows, bad input, a tiny multirun."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import strategies
+from harness import nets
+from harness.results import load_results
+from harness.run import run_cell
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+
+
+def stems(group):
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+def test_every_config_composes():
+    assert stems("net") == nets.available()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        for net in stems("net"):
+            for strategy in stems("strategy"):
+                for device in stems("device"):
+                    cfg = compose("config", overrides=[f"+net={net}", f"+strategy={strategy}", f"device={device}"])
+                    assert (cfg.net.name, cfg.strategy.name, cfg.device.name) == (net, strategy, device)
+                    fields = {f.name for f in dataclasses.fields(strategies.module(strategy).Options)}
+                    assert set(cfg.strategy.options) <= fields
+        for sweep in stems("sweep"):
+            compose("config", overrides=["+net=vgg19", "+strategy=vanilla", f"sweep={sweep}"])
+
+
+def test_a_run_writes_one_row(tmp_path):
+    row = run_cell("resnet50", "liveness_only", batch_size=2, image_size=64, results_dir=tmp_path)
+    assert row["status"] == "ok" and row["device"] == "meta" and row["method"] == "meta-tracker"
+    assert row["measured_peak_bytes"] == (row["measured_params_bytes"] + row["measured_grads_bytes"]
+                                          + row["measured_activations_bytes"])
+    # The simulator replays what the executor does: its prediction is within 5% of the measurement.
+    assert abs(row["predicted_peak_bytes"] - row["measured_peak_bytes"]) <= 0.05 * row["measured_peak_bytes"]
+    assert row["predicted_peak_no_liveness_bytes"] > row["predicted_peak_bytes"]
+    assert row["plan_naive_bytes"] >= row["plan_static_plan_bytes"] > 0
+    assert row["step_time_ms"] is None and row["paper_node_count"] == 176 and row["git_commit"] is not None
+    table = load_results(tmp_path)
+    assert len(table) == 1 and table.loc[0, "net"] == "resnet50"
+
+
+def test_an_unmeetable_budget_is_an_infeasible_row(tmp_path):
+    row = run_cell("vgg19", "vanilla", batch_size=1, image_size=32, budget="1MB", results_dir=tmp_path)
+    assert row["status"] == "infeasible" and row["min_feasible_bytes"] > 10**6
+    assert "minimal feasible budget is" in row["error"]
+
+
+def test_resume_skips_finished_cells(tmp_path):
+    first = run_cell("unet", "vanilla", batch_size=1, image_size=188, results_dir=tmp_path)
+    again = run_cell("unet", "vanilla", batch_size=1, image_size=188, results_dir=tmp_path, resume=True)
+    assert again["timestamp"] == first["timestamp"]
+    rerun = run_cell("unet", "vanilla", batch_size=1, image_size=188, results_dir=tmp_path)
+    assert rerun["timestamp"] != first["timestamp"] and len(load_results(tmp_path)) == 1
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(net="resnet51", strategy="vanilla"), KeyError, "valid nets"),
+    (dict(net="resnet50", strategy="vanila"), KeyError, "valid strategies"),
+    (dict(net="resnet50", strategy="vanilla", device="tpu"), ValueError, "valid devices"),
+    (dict(net="resnet50", strategy="vanilla", batch_size=0), ValueError, "at least 1"),
+    (dict(net="resnet50", strategy="vanilla", budget="lots"), ValueError, "malformed budget"),
+    (dict(net="resnet50", strategy="vanilla", cost_model="seconds"), ValueError, "valid: paper, flops"),
+])
+def test_bad_input_is_refused_before_anything_runs(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        run_cell(**kwargs)
+
+
+def _harness(*args, cwd):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HYDRA_FULL_ERROR="0")
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_tiny_multirun(tmp_path):
+    done = _harness("-m", "+net=unet,vgg19", "+strategy=vanilla,liveness_only", "batch_size=1",
+                    "image_size=188", f"results_dir={tmp_path / 'rows'}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    table = load_results(tmp_path / "rows")
+    assert sorted(zip(table.net, table.strategy)) == [("unet", "liveness_only"), ("unet", "vanilla"),
+                                                      ("vgg19", "liveness_only"), ("vgg19", "vanilla")]
+    assert set(table.status) == {"ok"}
+
+
+@pytest.mark.slow
+def test_command_line_errors_name_the_choices(tmp_path):
+    done = _harness("+strategy=vanilla", cwd=tmp_path)
+    assert done.returncode != 0 and "valid nets: densenet161" in done.stderr + done.stdout
+    done = _harness("+net=resnet50", "+strategy=vanilla", "device=cuda", cwd=tmp_path)
+    if "no CUDA GPU" not in done.stderr:
+        pytest.skip("this machine has a GPU")
+    assert done.returncode != 0
