@@ -28,6 +28,7 @@ class NetSpec:
     batch_size: int  # seed 004, Table 1
     image_size: int
     paper_nodes: int  # #V of seed 004, Table 1
+    paper_vanilla_gb: float  # vanilla peak of seed 004, Table 1 (Chainer, K40c, parameters included)
     loss: str = "classification"
     valid_side: Callable[[int], bool] = lambda side: side >= 32
     side_rule: str = "at least 32"
@@ -115,16 +116,16 @@ def _center_crop(skip: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 NETS = {
-    "pspnet": NetSpec(_pspnet, batch_size=2, image_size=712, paper_nodes=385, loss="segmentation",
+    "pspnet": NetSpec(_pspnet, batch_size=2, image_size=712, paper_nodes=385, paper_vanilla_gb=9.4, loss="segmentation",
                       valid_side=lambda side: side >= 32 and side % 8 == 0, side_rule="a multiple of 8, at least 32"),
-    "unet": NetSpec(UNet, batch_size=8, image_size=572, paper_nodes=60, loss="segmentation",
+    "unet": NetSpec(UNet, batch_size=8, image_size=572, paper_nodes=60, paper_vanilla_gb=9.1, loss="segmentation",
                     valid_side=_unet_side_ok, side_rule="one whose four poolings all see even sides (572, 188)"),
-    "resnet50": NetSpec(_torchvision("resnet50"), batch_size=96, image_size=224, paper_nodes=176),
-    "resnet152": NetSpec(_torchvision("resnet152"), batch_size=48, image_size=224, paper_nodes=516),
-    "vgg19": NetSpec(_torchvision("vgg19"), batch_size=64, image_size=224, paper_nodes=46),
-    "densenet161": NetSpec(_torchvision("densenet161"), batch_size=32, image_size=224, paper_nodes=568),
+    "resnet50": NetSpec(_torchvision("resnet50"), batch_size=96, image_size=224, paper_nodes=176, paper_vanilla_gb=8.9),
+    "resnet152": NetSpec(_torchvision("resnet152"), batch_size=48, image_size=224, paper_nodes=516, paper_vanilla_gb=9.2),
+    "vgg19": NetSpec(_torchvision("vgg19"), batch_size=64, image_size=224, paper_nodes=46, paper_vanilla_gb=7.0),
+    "densenet161": NetSpec(_torchvision("densenet161"), batch_size=32, image_size=224, paper_nodes=568, paper_vanilla_gb=8.5),
     "googlenet": NetSpec(_torchvision("googlenet", aux_logits=False, init_weights=False), batch_size=256,
-                         image_size=224, paper_nodes=134),
+                         image_size=224, paper_nodes=134, paper_vanilla_gb=8.5),
 }
 
 

@@ -1,0 +1,66 @@
+"""Tables from result rows (read only through ``load_results``); labels for people live here.
+
+``python -m harness.report spine ROWS_DIR OUT_STEM`` writes ``OUT_STEM.md`` and ``OUT_STEM.csv``: per net,
+the graph's size beside seed 004's #V and the measured and predicted peaks of ``vanilla`` and
+``liveness_only`` beside the paper's vanilla figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+from pathlib import Path
+
+import pandas as pd
+
+from harness import nets
+from harness.results import load_results
+
+GB = 1e9
+
+
+def spine_table(rows: pd.DataFrame) -> pd.DataFrame:
+    rows = rows[rows.status == "ok"]
+    out = []
+    for net in nets.available():
+        cells = {s: rows[(rows.net == net) & (rows.strategy == s)] for s in ("vanilla", "liveness_only")}
+        if any(c.empty for c in cells.values()):
+            continue
+        vanilla, liveness = cells["vanilla"].iloc[-1], cells["liveness_only"].iloc[-1]
+        spec = nets.spec(net)
+        out.append({
+            "net": net, "batch": vanilla.batch_size, "input": f"{vanilla.image_size}x{vanilla.image_size}",
+            "layers": vanilla.layer_count, "IR nodes": vanilla.node_count, "paper #V": spec.paper_nodes,
+            "vanilla measured GB": vanilla.measured_peak_bytes / GB,
+            "params GB": vanilla.measured_params_bytes / GB, "grads GB": vanilla.measured_grads_bytes / GB,
+            "activations GB": vanilla.measured_activations_bytes / GB,
+            "vanilla predicted GB": vanilla.predicted_peak_bytes / GB,
+            "no-liveness model GB": vanilla.predicted_peak_no_liveness_bytes / GB,
+            "liveness_only measured GB": liveness.measured_peak_bytes / GB,
+            "static plan GB": liveness.plan_static_plan_bytes / GB + liveness.static_bytes / GB,
+            "paper vanilla GB": spec.paper_vanilla_gb,
+            "device": vanilla.device, "method": vanilla.method,
+        })
+    return pd.DataFrame(out)
+
+
+def write(table: pd.DataFrame, stem: Path, command: str) -> None:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    table.to_csv(stem.with_suffix(".csv"), index=False, float_format="%.3f")
+    header = (f"Made by `{command}` on {datetime.date.today().isoformat()}; device and method in each row. "
+              "Peaks in decimal GB, parameters, buffers and the input batch included.\n\n")
+    stem.with_suffix(".md").write_text(header + table.to_markdown(index=False, floatfmt=".2f") + "\n")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m harness.report", description=__doc__.splitlines()[0])
+    parser.add_argument("table", choices=["spine"])
+    parser.add_argument("rows", type=Path, help="folder of result rows")
+    parser.add_argument("out", type=Path, help="output path without suffix (.md and .csv are written)")
+    args = parser.parse_args(argv)
+    table = spine_table(load_results(args.rows))
+    write(table, args.out, f"python -m harness.report {args.table} {args.rows} {args.out}")
+
+
+if __name__ == "__main__":
+    main()
