@@ -1,0 +1,9 @@
+"""The PyTorch side: the zoo (``harness.nets``), ``trace`` (module -> IR), ``execute`` (a Plan, for real),
+measurement (``harness.measure``), the entry point (``python -m harness``) and results (``load_results``)."""
+
+from harness import nets
+from harness.execute import execute
+from harness.results import load_results
+from harness.trace import Traced, trace
+
+__all__ = ["Traced", "execute", "load_results", "nets", "trace"]

@@ -176,6 +176,7 @@ class _Step:
         names = {name for g in groups for name in self.traced.members[g]}
         order = [n for n in self.traced.module.graph.nodes if n.name in names]
         uses = _last_uses(self.traced.module.graph, within=names)
+        finals = {self.traced.members[g][-1] for g in groups}  # values the tokens will read
         env = {}
         with torch.no_grad(), _preserved_rng(self.constants):
             for node in order:
@@ -184,7 +185,7 @@ class _Step:
                 for source in node.all_input_nodes:
                     if source.name in uses:
                         uses[source.name] -= 1
-                        if uses[source.name] == 0 and source.name not in self._final_names(groups):
+                        if uses[source.name] == 0 and source.name not in finals:
                             env.pop(source.name, None)
         for g in groups:
             if self.tokens_left.get(g):
@@ -192,9 +193,6 @@ class _Step:
         for g in list(self.cache_stages):
             self.cache_stages[g].discard(stage)
             self._release_cache(g)
-
-    def _final_names(self, groups) -> set[str]:
-        return {self.traced.members[g][-1] for g in groups}
 
     def _release_cache(self, g: int):
         if not self.cache_stages[g]:

@@ -18,6 +18,7 @@ In PyTorch eager autograd is already reference counted, so the executor runs thi
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass
 
 from strategies.graph import Graph
@@ -47,8 +48,7 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
         "liveness_peak_bytes": peak_of(steps),
         "static_plan_bytes": static_plan_bytes(graph, steps, options.match_range, options.inplace),
     }
-    plan = Plan.from_stages(graph, plan.stages, strategy=plan.strategy, kept=plan.kept,
-                            budget_bytes=budget_bytes, info=info)
+    plan = dataclasses.replace(plan, info=info)
     check_budget(graph, plan, budget_bytes)
     return plan
 
