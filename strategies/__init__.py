@@ -3,7 +3,10 @@
 ``solve(name, graph, budget_bytes=None, **options) -> Plan`` runs the strategy ``name``; ``available()``
 lists the names. Each strategy is one module here with one public function,
 ``solve(graph, budget_bytes, *, options=None) -> Plan``, and a frozen ``Options`` dataclass; adding one is
-a new module, a line in ``_MODULES`` and a config under ``configs/strategy/``.
+a new module, a line in ``_MODULES`` and a config under ``configs/strategy/``. Each module also says, in
+``BUDGET_LIVENESS``, which of the simulator's two memory models its budget is judged by: the DPs use seed
+004's equation (2) (``liveness=False``), the model they optimise; strategies with no choice to make use the
+liveness replay, which is how the real step frees.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from strategies.simulate import Prediction, simulate
 _MODULES = {
     "vanilla": "strategies.vanilla",
     "liveness_only": "strategies.liveness_only",
+    "exact_dp": "strategies.exact_dp",
+    "approx_dp": "strategies.approx_dp",
 }
 
 __all__ = ["Action", "Graph", "InfeasibleBudget", "Plan", "Prediction", "available", "bits", "members",

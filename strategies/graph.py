@@ -26,12 +26,7 @@ def bits(nodes: Iterable[int]) -> int:
 
 def members(mask: int) -> list[int]:
     """The nodes of a bitset, ascending."""
-    out = []
-    while mask:
-        low = mask & -mask
-        out.append(low.bit_length() - 1)
-        mask ^= low
-    return out
+    return [v for v, bit in enumerate(reversed(bin(mask)[2:])) if bit == "1"]
 
 
 @dataclass(frozen=True, slots=True)

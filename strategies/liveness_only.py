@@ -30,6 +30,10 @@ from strategies.vanilla import check_budget
 INPLACE_KINDS = frozenset({"act", "add", "mul", "dropout"})
 
 
+# Budgets are judged by simulate(..., liveness=True): as vanilla.
+BUDGET_LIVENESS = True
+
+
 @dataclass(frozen=True, slots=True)
 class Options:
     match_range: int = 16  # MXNet's default; 1 allows only exact-size reuse

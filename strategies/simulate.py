@@ -55,7 +55,7 @@ def simulate(graph: Graph, plan: Plan, liveness: bool = True) -> Prediction:
     if liveness:
         peak = peak_of(timeline(graph, plan))
     else:
-        peak = _equation_2_peak(graph, plan) + sum(graph.param_bytes)
+        peak = equation_2_peak(graph, plan) + sum(graph.param_bytes)
     return Prediction(peak_bytes=peak, overhead_cost=overhead, liveness=liveness)
 
 
@@ -73,7 +73,7 @@ def peak_of(steps: list[Step]) -> int:
     return peak
 
 
-def _equation_2_peak(graph: Graph, plan: Plan) -> int:
+def equation_2_peak(graph: Graph, plan: Plan) -> int:
     peak, lower = 0, 0
     for stage in plan.stages:
         cached_before = graph.mem(plan.kept & lower)  # term (i)

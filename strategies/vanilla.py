@@ -14,6 +14,10 @@ from strategies.plan import InfeasibleBudget, Plan
 from strategies.simulate import simulate
 
 
+# Budgets are judged by simulate(..., liveness=True): it has no choice to make, and the real step frees by liveness.
+BUDGET_LIVENESS = True
+
+
 @dataclass(frozen=True, slots=True)
 class Options:
     pass

@@ -68,7 +68,7 @@ def test_plan_validation_names_the_node():
 
 
 def test_registry_errors_list_the_choices():
-    with pytest.raises(KeyError, match="valid strategies: liveness_only, vanilla.*Did you mean 'vanilla'"):
+    with pytest.raises(KeyError, match="valid strategies: approx_dp, exact_dp, liveness_only, vanilla.*Did you mean 'vanilla'"):
         solve("vanila", chain())
     with pytest.raises(TypeError, match="its options: match_range, inplace"):
         solve("liveness_only", chain(), bogus=1)
@@ -103,6 +103,7 @@ def test_every_strategy_has_one_config_and_the_contract():
     assert stems == strategies.available()
     for name in strategies.available():
         module = strategies.module(name)
+        assert isinstance(module.BUDGET_LIVENESS, bool)
         params = list(inspect.signature(module.solve).parameters.values())
         assert [p.name for p in params] == ["graph", "budget_bytes", "options"]
         assert params[2].kind is inspect.Parameter.KEYWORD_ONLY
@@ -113,7 +114,7 @@ def test_every_strategy_is_deterministic_and_within_budget(name):
     g = diamond()
     first, second = solve(name, g), solve(name, g)
     assert (first.stages, first.kept) == (second.stages, second.kept)
-    peak = simulate(g, first).peak_bytes
+    peak = simulate(g, first, liveness=strategies.module(name).BUDGET_LIVENESS).peak_bytes
     assert solve(name, g, peak).budget_bytes == peak
     with pytest.raises(InfeasibleBudget):
         solve(name, g, peak - 1)

@@ -1,0 +1,32 @@
+"""``approx_dp``: seed 004's approximate DP (section 4.3): the exact DP restricted to the lower sets
+``L_v`` (``v`` with all its ancestors), plus ∅ and V.
+
+Same objective, modes (``tc``/``mc``) and budget meaning as ``exact_dp``; never better than it, since
+its chains are a subset. At most |V| + 2 lower sets, so O(|V|² · t(V)) at worst.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strategies.graph import Graph
+from strategies.lower_set_dp import solve_family
+from strategies.lower_sets import principal_lower_sets
+from strategies.plan import Plan
+
+
+# Budgets are judged by simulate(..., liveness=False): seed 004's model, the one the DP optimises.
+BUDGET_LIVENESS = False
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    mode: str = "tc"  # tc: least overhead within the budget; mc: most overhead within it
+
+
+def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = None) -> Plan:
+    options = options or Options()
+    family = principal_lower_sets(graph)
+    plan = solve_family(graph, family, budget_bytes, options.mode, "approx_dp")
+    plan.info["lower_sets"] = len(family)
+    return plan

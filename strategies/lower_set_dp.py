@@ -1,0 +1,241 @@
+"""The dynamic programme over chains of lower sets (seed 004, sections 4.1-4.4), shared by the DPs.
+
+NOTE [the DP]
+A chain ``∅ = L_0 ⊊ L_1 ⊊ ... ⊊ L_k = V`` is built one lower set at a time; the state after ``L`` is
+``(L, t, m(U))``: the overhead so far and the cached memory so far. Moving to ``L' ⊋ L`` costs, by seed
+004's equation (2) (``simulate(..., liveness=False)``),
+    stage peak  = m(U) + 2 m(L' \\ L) + m(δ⁺(L') \\ L') + m(δ⁻(δ⁺(L') \\ L') \\ L')   (must fit the budget)
+    t'          = t + t((L' \\ L) \\ ∂(L'))                                    (equation (1))
+    m(U')       = m(U) + m(∂(L') \\ L)
+Lower sets are visited by size, so every subset comes before its supersets (the published DP.cpp visits
+them in discovery order and misses transitions: ``../shared/spec/kusumoto.md``, pitfall 6).
+Per lower set, only Pareto-optimal states are expanded: for the time-centric objective (least overhead)
+a state is dropped when another has no more overhead and no more cache; for the memory-centric one (most
+overhead, seed 004 section 4.4) when another has no less overhead and no more cache. Both prunings are
+exact for their objective, since a state's future depends on ``m(U)`` alone.
+
+The minimal feasible budget (seed 004's Table 1 runs at it) is found by bisection on a cheaper DP that
+keeps one number per lower set, the least ``m(U)`` that reaches it within the budget, over transitions
+precomputed once; to a relative precision of ``1e-4``, starting from a known feasible upper bound (one
+stage, or for the exact DP the approximate DP's minimum).
+
+Sets are bitsets (Python ints) for the chain and rows of a boolean matrix for the vectorised work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from strategies.graph import Graph
+from strategies.plan import InfeasibleBudget, Plan, canonical_cache
+from strategies.simulate import equation_2_peak
+
+MODES = ("tc", "mc")
+
+
+@dataclass(frozen=True)
+class Table:
+    """A family of lower sets, ordered by (memory, size) so that every subset comes first, with what the
+    transitions need, precomputed."""
+
+    family: list[int]
+    words: np.ndarray  # (F, w) uint64: the sets, packed
+    member: np.ndarray  # (F, n) bool
+    boundary_weight: np.ndarray  # (F, n) float 0/1: ∂(L)
+    member_weight: np.ndarray  # (F, n) float 0/1
+    mem: np.ndarray  # (F,) m(L), ascending
+    key: np.ndarray  # (F,) 2 m(L) + m(A(L)) + m(B(L)): stage peak = m(U) + key[L'] - 2 m(L)
+    mem_boundary: np.ndarray  # (F,) m(∂(L))
+    time_kept: np.ndarray  # (F,) t(L) - t(∂(L))
+    time: np.ndarray  # (F,) t(L)
+    node_mem: np.ndarray
+    node_time: np.ndarray
+
+
+def prepare(graph: Graph, family: list[int]) -> Table:
+    n = len(graph)
+    width = (n + 63) // 64
+    raw = b"".join(s.to_bytes(8 * width, "little") for s in family)
+    words = np.frombuffer(raw, dtype="<u8").reshape(len(family), width)
+    member = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :n].astype(bool)
+    node_mem = np.array(graph.mem_bytes, dtype=np.float64)
+    node_time = np.array(graph.cost, dtype=np.float64)
+    mem = member @ node_mem
+    order = np.lexsort((member.sum(axis=1), mem))
+    words, member, mem = words[order], member[order], mem[order]
+    family = [family[i] for i in order]
+    assert family[0] == 0 and family[-1] == graph.all_nodes, "bug: a family runs from ∅ to V"
+    adjacency = np.zeros((n, n), dtype=np.float32)
+    for u, v in graph.edges:
+        adjacency[u, v] = 1.0
+    inside = member.astype(np.float32)
+    boundary = member & ((1 - inside) @ adjacency.T > 0)  # in L, with a successor outside
+    later = ~member & (inside @ adjacency > 0)  # A(L) = δ⁺(L) \ L
+    others = ~member & (later.astype(np.float32) @ adjacency.T > 0)  # B(L) = δ⁻(A(L)) \ L
+    return Table(family=family, words=words, member=member, boundary_weight=boundary.astype(np.float64),
+                 member_weight=inside.astype(np.float64), mem=mem,
+                 key=2 * mem + later @ node_mem + others @ node_mem, mem_boundary=boundary @ node_mem,
+                 time_kept=member @ node_time - boundary @ node_time, time=member @ node_time,
+                 node_mem=node_mem, node_time=node_time)
+
+
+def _successors(table: Table, i: int, bound: float) -> np.ndarray:
+    """Family indices ``j`` with ``L_j ⊋ L_i`` and ``key[j] <= bound``: a window of the memory order,
+    since ``key[j] >= 2 m(L_j)``."""
+    last = np.searchsorted(table.mem, bound / 2, side="right")
+    if last <= i + 1:
+        return np.empty(0, dtype=np.int64)
+    js = np.arange(i + 1, last)
+    js = js[table.key[i + 1:last] <= bound]
+    if js.size:
+        js = js[~np.any(table.words[i] & ~table.words[js], axis=1)]
+    return js
+
+
+def _steps(table: Table, i: int, js: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For ``L_i -> L_j``: the stage peak without ``m(U)``, the overhead added and the cache added."""
+    boundary = table.boundary_weight[js]  # ∂(L_j), as 0/1
+    inside = table.member_weight[i]
+    stage = table.key[js] - 2 * table.mem[i]
+    added_time = table.time_kept[js] - (table.time[i] - boundary @ (inside * table.node_time))  # ∂(L_j) ∩ L_i
+    added_cache = table.mem_boundary[js] - boundary @ (inside * table.node_mem)
+    return stage, added_time, added_cache
+
+
+PRECISION = 1e-4
+
+
+@dataclass(frozen=True)
+class Transitions:
+    """Every ``L_i -> L_j`` whose stage alone fits a bound, grouped by ``i`` (``starts[i]:starts[i+1]``)."""
+
+    starts: np.ndarray
+    targets: np.ndarray
+    stage: np.ndarray
+    added_cache: np.ndarray
+
+
+def transitions(table: Table, bound: float) -> Transitions:
+    chunks = [_successors(table, i, bound + 2 * table.mem[i]) for i in range(len(table.family))]
+    steps = [_steps(table, i, js) for i, js in enumerate(chunks)]
+    starts = np.zeros(len(chunks) + 1, dtype=np.int64)
+    starts[1:] = np.cumsum([len(js) for js in chunks])
+    return Transitions(starts=starts, targets=np.concatenate(chunks),
+                       stage=np.concatenate([st for st, _, _ in steps]),
+                       added_cache=np.concatenate([dm for _, _, dm in steps]))
+
+
+def feasible(table: Table, moves: Transitions, budget: float) -> bool:
+    """Whether some chain meets ``budget`` (one state per lower set: the least cache reaching it)."""
+    least = np.full(len(table.family), np.inf)
+    least[0] = 0.0
+    for i in range(len(table.family) - 1):
+        cache = least[i]
+        if cache == np.inf:
+            continue
+        part = slice(moves.starts[i], moves.starts[i + 1])
+        fits = cache + moves.stage[part] <= budget
+        js = moves.targets[part][fits]
+        least[js] = np.minimum(least[js], cache + moves.added_cache[part][fits])
+    return bool(least[-1] < np.inf)
+
+
+def minimal_budget(table: Table, upper: float | None = None) -> float:
+    """A feasible budget within ``PRECISION`` of the least one; ``upper``: a budget known feasible."""
+    high = float(table.key[-1]) if upper is None else float(upper)  # one stage, 2 m(V), always fits
+    moves = transitions(table, high)
+    low = 0.0
+    if upper is not None:  # a bound from a near solution: the minimum is close below it, so gallop down
+        step = PRECISION * high
+        while high - step > low and feasible(table, moves, high - step):
+            high, step = high - step, 2 * step
+        low = max(low, high - step)
+    while high - low > PRECISION * high:
+        middle = (low + high) / 2
+        if feasible(table, moves, middle):
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def best_chain(table: Table, budget: float, mode: str) -> list[int] | None:
+    """The chain (family indices, ∅ excluded) of least (tc) or most (mc) overhead within ``budget``.
+
+    Each lower set's states arrive as arrays (parent, parent overhead, overhead, cache) and are cut to
+    their Pareto frontier when the lower set's turn comes; the frontier is kept for the backtracking."""
+    size = len(table.family)
+    incoming: list[list[tuple]] = [[] for _ in range(size)]
+    incoming[0].append((-1, np.zeros(1), np.zeros(1), np.zeros(1)))
+    frontiers: list[tuple | None] = [None] * size
+    for i in range(size):
+        if not incoming[i]:
+            continue
+        parents = np.concatenate([np.full(len(chunk[1]), chunk[0]) for chunk in incoming[i]])
+        parent_overhead, overhead, cache = (np.concatenate([chunk[k] for chunk in incoming[i]]) for k in (1, 2, 3))
+        incoming[i] = []
+        keep = _pareto(overhead, cache, mode)
+        frontiers[i] = (overhead[keep], cache[keep], parents[keep], parent_overhead[keep])
+        overhead, cache = frontiers[i][0], frontiers[i][1]
+        js = _successors(table, i, budget - cache.min() + 2 * table.mem[i])
+        if js.size == 0:
+            continue
+        stage, added_time, added_cache = _steps(table, i, js)
+        fits = cache[:, None] + stage[None, :] <= budget
+        for column in np.flatnonzero(fits.any(axis=0)):
+            rows = fits[:, column]
+            incoming[js[column]].append((i, overhead[rows], overhead[rows] + added_time[column],
+                                         cache[rows] + added_cache[column]))
+    if frontiers[-1] is None:
+        return None
+    overhead, _, parents, parent_overhead = frontiers[-1]
+    k = int(np.argmin(overhead) if mode == "tc" else np.argmax(overhead))
+    chain, i = [size - 1], int(parents[k])
+    wanted = parent_overhead[k]
+    while i > 0:
+        chain.append(i)
+        k = int(np.flatnonzero(frontiers[i][0] == wanted)[0])
+        i, wanted = int(frontiers[i][2][k]), frontiers[i][3][k]
+    return chain[::-1]
+
+
+def _pareto(overhead: np.ndarray, cache: np.ndarray, mode: str) -> np.ndarray:
+    """Indices of the states no other state beats (NOTE [the DP]), one per overhead value."""
+    order = np.lexsort((cache, overhead if mode == "tc" else -overhead))
+    ordered_cache = cache[order]
+    best_before = np.concatenate(([np.inf], np.minimum.accumulate(ordered_cache)[:-1]))
+    return order[ordered_cache < best_before]
+
+
+def solve_family(graph: Graph, family: list[int], budget_bytes: int | None, mode: str, strategy: str,
+                 upper_bytes: int | None = None) -> Plan:
+    """A plan from the best chain of ``family`` (see the module note); ``None`` means the minimal budget.
+    ``upper_bytes``, a budget known to be feasible, speeds up the search for the minimal one."""
+    if mode not in MODES:
+        raise ValueError(f"{strategy}: unknown mode {mode!r}; valid modes: tc (time-centric, least overhead), "
+                         "mc (memory-centric, most overhead)")
+    table = prepare(graph, family)
+    param_grads = sum(graph.param_bytes)  # simulate(liveness=False) adds these; the DP's budget leaves them out
+    upper = None if upper_bytes is None else upper_bytes - param_grads
+    budget = minimal_budget(table, upper) if budget_bytes is None else budget_bytes - param_grads
+    chain = best_chain(table, budget, mode) if budget >= 0 else None
+    if chain is None:
+        minimum = minimal_budget(table, upper)
+        plan = Plan.from_stages(graph, _stages(table, best_chain(table, minimum, mode)))
+        raise InfeasibleBudget(budget_bytes, equation_2_peak(graph, plan) + param_grads, strategy)
+    plan = Plan.from_stages(graph, _stages(table, chain), strategy=strategy, budget_bytes=budget_bytes)
+    assert plan.kept == canonical_cache(graph, plan.stages)
+    return plan
+
+
+def _stages(table: Table, chain: list[int]) -> list[int]:
+    stages, previous = [], 0
+    for i in chain:
+        stages.append(table.family[i] & ~previous)
+        previous = table.family[i]
+    return stages
+
+
+__all__ = ["MODES", "best_chain", "feasible", "minimal_budget", "prepare", "solve_family"]

@@ -1,0 +1,34 @@
+"""Families of lower sets (seed 004, sections 3 and 4.3), as bitsets sorted by size."""
+
+from __future__ import annotations
+
+from strategies.graph import Graph
+
+
+def all_lower_sets(graph: Graph, limit: int = 2_000_000) -> list[int]:
+    """Every lower set of ``graph``, by size; raises ``ValueError`` past ``limit`` rather than truncate."""
+    n = len(graph)
+    pred = graph.pred_mask
+    seen = {0}
+    frontier = [0]
+    while frontier:
+        grown = []
+        for lower in frontier:
+            rest = ~lower
+            for v in range(n):
+                if rest >> v & 1 and pred[v] & rest == 0:
+                    bigger = lower | 1 << v
+                    if bigger not in seen:
+                        seen.add(bigger)
+                        grown.append(bigger)
+        if len(seen) > limit:
+            raise ValueError(f"the graph has more than {limit} lower sets; the exact DP cannot enumerate them "
+                             "(use approx_dp, or raise the limit)")
+        frontier = grown
+    return sorted(seen, key=lambda s: (s.bit_count(), s))
+
+
+def principal_lower_sets(graph: Graph) -> list[int]:
+    """``{L_v : v ∈ V} ∪ {∅, V}``, ``L_v`` being ``v`` with all its ancestors (seed 004, section 4.3)."""
+    family = {0, graph.all_nodes, *graph.ancestor_mask}
+    return sorted(family, key=lambda s: (s.bit_count(), s))

@@ -1,0 +1,96 @@
+"""The DPs against brute force over every chain of lower sets, and on hand-worked graphs."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from strategies import Graph, InfeasibleBudget, Plan, simulate, solve
+from strategies.lower_sets import all_lower_sets, principal_lower_sets
+from test_graph import diamond
+from test_simulate import chain
+
+
+@st.composite
+def small_dags(draw, max_nodes=7):
+    n = draw(st.integers(2, max_nodes))
+    edges = [(u, v) for v in range(1, n) for u in range(v) if draw(st.booleans())]
+    edges += [(v - 1, v) for v in range(1, n) if draw(st.integers(0, 3)) == 0]  # some chain links
+    mem = draw(st.lists(st.integers(1, 40), min_size=n, max_size=n))
+    cost = draw(st.lists(st.sampled_from([1, 2, 10]), min_size=n, max_size=n))
+    return Graph(mem_bytes=mem, cost=cost, edges=edges)
+
+
+def every_chain(graph):
+    """(peak, overhead) of every canonical strategy, by seed 004's model (enumerated without the DP)."""
+    family = all_lower_sets(graph)
+    out = []
+
+    def extend(stages, lower):
+        if lower == graph.all_nodes:
+            prediction = simulate(graph, Plan.from_stages(graph, stages), liveness=False)
+            out.append((prediction.peak_bytes, prediction.overhead_cost))
+            return
+        for bigger in family:
+            if bigger != lower and bigger & lower == lower:
+                extend(stages + [bigger & ~lower], bigger)
+
+    extend([], 0)
+    return out
+
+
+def model(graph, plan):
+    prediction = simulate(graph, plan, liveness=False)
+    return prediction.peak_bytes, prediction.overhead_cost
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_dags())
+def test_exact_dp_is_optimal_for_every_budget(graph):
+    chains = every_chain(graph)
+    least_peak = min(peak for peak, _ in chains)
+    assert model(graph, solve("exact_dp", graph))[0] <= least_peak * (1 + 1e-4)  # budget=None: the minimum
+    for budget in sorted({peak for peak, _ in chains}):
+        fitting = [overhead for peak, overhead in chains if peak <= budget]
+        tc = solve("exact_dp", graph, budget, mode="tc")
+        mc = solve("exact_dp", graph, budget, mode="mc")
+        assert model(graph, tc) == (model(graph, tc)[0], min(fitting)) and model(graph, tc)[0] <= budget
+        assert model(graph, mc)[1] == max(fitting) and model(graph, mc)[0] <= budget
+        try:
+            approx = solve("approx_dp", graph, budget, mode="tc")
+        except InfeasibleBudget:
+            continue
+        assert model(graph, approx)[0] <= budget and model(graph, approx)[1] >= min(fitting)
+    with pytest.raises(InfeasibleBudget) as error:
+        solve("exact_dp", graph, least_peak - 1)
+    assert least_peak <= error.value.min_feasible_bytes <= least_peak * (1 + 1e-4)
+
+
+def test_approx_family_is_the_ancestor_closures():
+    g = diamond()
+    assert principal_lower_sets(g) == [0, 0b1, 0b11, 0b101, 0b1111]
+    assert len(all_lower_sets(g)) == 6  # ∅, a, ab, ac, abc, V
+
+
+def test_chain_by_hand():
+    # a -> b -> c, m = t = 1: one stage peaks at 6 (T = 3); ({a}, {a,b}, V) at 4 (T = 1, kusumoto.md).
+    g = chain()
+    plan = solve("exact_dp", g)
+    assert model(g, plan) == (4, 1.0) and plan.stages == (0b1, 0b10, 0b100)
+    assert model(g, solve("exact_dp", g, 6, mode="tc")) == (4, 1.0)  # least overhead at budget 6
+    assert model(g, solve("exact_dp", g, 6, mode="mc")) == (6, 3.0)  # most overhead: one stage
+
+
+def test_unet_like_skips_by_hand():
+    # Encoder e1 -> e2 -> bottom -> d2 -> d1 with skips e1 -> d1 and e2 -> d2; the encoder is large.
+    g = Graph(mem_bytes=[4, 4, 1, 1, 1], cost=[1, 1, 1, 1, 1],
+              edges=[(0, 1), (1, 2), (2, 3), (3, 4), (1, 3), (0, 4)])
+    for name in ("exact_dp", "approx_dp"):
+        # At the minimal budget, the least overhead: the first of every chain ordered by (peak, overhead).
+        assert model(g, solve(name, g)) == min(every_chain(g))
+
+
+def test_bad_mode_and_budget():
+    with pytest.raises(ValueError, match="valid modes: tc .* mc"):
+        solve("approx_dp", chain(), mode="fast")
+    with pytest.raises(InfeasibleBudget, match="minimal feasible budget is 4 bytes"):
+        solve("approx_dp", chain(), 3)
