@@ -1,8 +1,10 @@
 """Tables from result rows (read only through ``load_results``); labels for people live here.
 
-``python -m harness.report spine ROWS_DIR OUT_STEM`` writes ``OUT_STEM.md`` and ``OUT_STEM.csv``: per net,
-the graph's size beside seed 004's #V and the measured and predicted peaks of ``vanilla`` and
-``liveness_only`` beside the paper's vanilla figure.
+``python -m harness.report TABLE ROWS_DIR OUT_STEM`` writes ``OUT_STEM.md`` and ``OUT_STEM.csv``:
+- ``spine``: per net, the graph's size beside seed 004's #V and the measured and predicted peaks of
+  ``vanilla`` and ``liveness_only`` beside the paper's vanilla figure;
+- ``strategies``: per net and strategy, measured and predicted peaks and the reduction against vanilla,
+  beside seed 004's Table 1.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from harness import nets
+from harness.paper_numbers import TABLE1_GB
 from harness.results import load_results
 
 GB = 1e9
@@ -44,6 +47,40 @@ def spine_table(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def strategies_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per net and strategy: measured and predicted peak, reduction against vanilla, beside seed 004."""
+    rows = rows[rows.status == "ok"].copy()
+    rows["mode"] = [options.get("mode", "") for options in rows.options]
+    out = []
+    for net in nets.available():
+        cells = rows[rows.net == net]
+        vanilla = cells[cells.strategy == "vanilla"]
+        if vanilla.empty:
+            continue
+        base = vanilla.iloc[-1].measured_peak_bytes
+        paper = TABLE1_GB.get(net, {})
+        for (strategy, mode), group in cells.groupby(["strategy", "mode"], sort=False):
+            row = group.iloc[-1]
+            published = paper.get((strategy, mode))
+            out.append({
+                "net": net, "strategy": strategy + (f" ({mode})" if mode else ""), "batch": row.batch_size,
+                "measured GB": row.measured_peak_bytes / GB,
+                "vs vanilla": f"{100 * (row.measured_peak_bytes / base - 1):+.0f}%",
+                "predicted GB": row.predicted_peak_bytes / GB,
+                "model (no liveness) GB": row.predicted_peak_no_liveness_bytes / GB,
+                "overhead / forward": row.predicted_overhead_cost / row.total_cost,
+                "solve s": row.solve_time_s,
+                "paper GB": published,
+                "paper vs vanilla": (f"{100 * (published / paper[('vanilla', '')] - 1):+.0f}%"
+                                     if published is not None else ""),
+                "device": row.device,
+            })
+    return pd.DataFrame(out)
+
+
+TABLES = {"spine": spine_table, "strategies": strategies_table}
+
+
 def write(table: pd.DataFrame, stem: Path, command: str) -> None:
     stem.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(stem.with_suffix(".csv"), index=False, float_format="%.3f")
@@ -54,11 +91,11 @@ def write(table: pd.DataFrame, stem: Path, command: str) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m harness.report", description=__doc__.splitlines()[0])
-    parser.add_argument("table", choices=["spine"])
+    parser.add_argument("table", choices=sorted(TABLES))
     parser.add_argument("rows", type=Path, help="folder of result rows")
     parser.add_argument("out", type=Path, help="output path without suffix (.md and .csv are written)")
     args = parser.parse_args(argv)
-    table = spine_table(load_results(args.rows))
+    table = TABLES[args.table](load_results(args.rows))
     write(table, args.out, f"python -m harness.report {args.table} {args.rows} {args.out}")
 
 

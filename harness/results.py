@@ -14,9 +14,11 @@ STATUSES = ("ok", "oom", "infeasible", "error")
 
 
 def cell_name(row: dict) -> str:
-    """The file name of a run's row: one file per (net, strategy, batch, size, budget, cost model, device)."""
+    """The file name of a run's row: one file per (net, strategy and its options, batch, size, budget, cost
+    model, device)."""
     budget = "budgetauto" if row["budget_bytes"] is None else f"{row['budget_bytes']}B"
-    return (f"{row['net']}__{row['strategy']}__b{row['batch_size']}__s{row['image_size']}__{budget}"
+    options = "".join(f"__{key}-{value}" for key, value in sorted(row.get("options", {}).items()))
+    return (f"{row['net']}__{row['strategy']}{options}__b{row['batch_size']}__s{row['image_size']}__{budget}"
             f"__{row['cost_model']}__{row['device']}.json")
 
 

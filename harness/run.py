@@ -42,7 +42,7 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
         "schema_version": SCHEMA_VERSION, "net": net, "strategy": strategy,
         "batch_size": spec.batch_size if batch_size is None else batch_size,
         "image_size": spec.image_size if image_size is None else image_size,
-        "device": device, "cost_model": cost_model, "budget_bytes": parse_budget(budget),
+        "device": device, "cost_model": cost_model, "budget_bytes": parse_budget(budget, device),
         "options": dict(options or {}), "warmup_steps": warmup_steps, "timed_steps": timed_steps,
         "paper_node_count": spec.paper_nodes, **_environment(),
     }
@@ -74,9 +74,9 @@ def _measure_cell(row: dict) -> dict:
     model, example_input, loss_fn = nets.build(row["net"], row["batch_size"], row["image_size"], row["device"])
     traced = trace(model, example_input, row["cost_model"])
     graph = traced.graph
-    plan = strategies.solve(row["strategy"], graph, row["budget_bytes"], **row["options"])
     static_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     static_bytes += example_input.numel() * example_input.element_size()
+    plan = _solve(row, graph, static_bytes)
     predicted = strategies.simulate(graph, plan, liveness=True)
     predicted_no_liveness = strategies.simulate(graph, plan, liveness=False)
     measured = measure(lambda: execute(traced, plan, example_input, loss_fn=loss_fn), model, (example_input,),
@@ -95,6 +95,22 @@ def _measure_cell(row: dict) -> dict:
         "stage_count": len(plan.stages), "recomputed_node_count": bin(plan.recomputed).count("1"),
         "solve_time_s": plan.solve_time_s, **{f"plan_{key}": value for key, value in plan.info.items()},
     }
+
+
+def _solve(row: dict, graph, static_bytes: int):
+    """The strategy's plan; the row's budget counts the whole device, the strategy's leaves out what every
+    plan holds anyway (parameters, buffers, the input batch)."""
+    budget = row["budget_bytes"]
+    try:
+        if budget is not None and budget <= static_bytes:  # the fixed part alone does not fit: say what would
+            least = strategies.solve(row["strategy"], graph, None, **row["options"])
+            liveness = strategies.module(row["strategy"]).BUDGET_LIVENESS
+            raise strategies.InfeasibleBudget(budget, strategies.simulate(graph, least, liveness).peak_bytes)
+        return strategies.solve(row["strategy"], graph, None if budget is None else budget - static_bytes,
+                                **row["options"])
+    except strategies.InfeasibleBudget as error:
+        minimum = None if error.min_feasible_bytes is None else error.min_feasible_bytes + static_bytes
+        raise strategies.InfeasibleBudget(budget, minimum, row["strategy"]) from error
 
 
 def _environment() -> dict:

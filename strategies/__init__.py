@@ -27,6 +27,8 @@ _MODULES = {
     "liveness_only": "strategies.liveness_only",
     "exact_dp": "strategies.exact_dp",
     "approx_dp": "strategies.approx_dp",
+    "chen_sqrt": "strategies.chen_sqrt",
+    "chen_greedy": "strategies.chen_greedy",
 }
 
 __all__ = ["Action", "Graph", "InfeasibleBudget", "Plan", "Prediction", "available", "bits", "members",

@@ -32,7 +32,7 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
     options = options or Options()
     family = all_lower_sets(graph)
     # The approximate DP's chains are chains of the exact family: its minimal budget bounds the search.
-    upper = minimal_budget(prepare(graph, principal_lower_sets(graph))) + sum(graph.param_bytes)
+    upper = minimal_budget(prepare(graph, principal_lower_sets(graph)))[0] + sum(graph.param_bytes)
     plan = solve_family(graph, family, budget_bytes, options.mode, "exact_dp", upper_bytes=int(upper))
     plan.info["lower_sets"] = len(family)
     return plan

@@ -41,10 +41,11 @@ class Table:
     transitions need, precomputed."""
 
     family: list[int]
-    words: np.ndarray  # (F, w) uint64: the sets, packed
+    postings: list[np.ndarray]  # node -> ascending indices of the sets holding it
+    maximal_nodes: list[np.ndarray]  # set -> its nodes with no successor inside it
     member: np.ndarray  # (F, n) bool
     boundary_weight: np.ndarray  # (F, n) float 0/1: ∂(L)
-    member_weight: np.ndarray  # (F, n) float 0/1
+    boundary_nodes: list[np.ndarray]  # ∂(L) as node indices
     mem: np.ndarray  # (F,) m(L), ascending
     key: np.ndarray  # (F,) 2 m(L) + m(A(L)) + m(B(L)): stage peak = m(U) + key[L'] - 2 m(L)
     mem_boundary: np.ndarray  # (F,) m(∂(L))
@@ -64,7 +65,7 @@ def prepare(graph: Graph, family: list[int]) -> Table:
     node_time = np.array(graph.cost, dtype=np.float64)
     mem = member @ node_mem
     order = np.lexsort((member.sum(axis=1), mem))
-    words, member, mem = words[order], member[order], mem[order]
+    member, mem = member[order], mem[order]
     family = [family[i] for i in order]
     assert family[0] == 0 and family[-1] == graph.all_nodes, "bug: a family runs from ∅ to V"
     adjacency = np.zeros((n, n), dtype=np.float32)
@@ -74,33 +75,44 @@ def prepare(graph: Graph, family: list[int]) -> Table:
     boundary = member & ((1 - inside) @ adjacency.T > 0)  # in L, with a successor outside
     later = ~member & (inside @ adjacency > 0)  # A(L) = δ⁺(L) \ L
     others = ~member & (later.astype(np.float32) @ adjacency.T > 0)  # B(L) = δ⁻(A(L)) \ L
-    return Table(family=family, words=words, member=member, boundary_weight=boundary.astype(np.float64),
-                 member_weight=inside.astype(np.float64), mem=mem,
+    maximal = member & ~(inside @ adjacency.T > 0)  # no successor in L
+    return Table(family=family, postings=[np.flatnonzero(column) for column in member.T],
+                 maximal_nodes=[np.flatnonzero(row) for row in maximal], member=member, boundary_weight=boundary.astype(np.float64),
+                 boundary_nodes=[np.flatnonzero(row) for row in boundary], mem=mem,
                  key=2 * mem + later @ node_mem + others @ node_mem, mem_boundary=boundary @ node_mem,
                  time_kept=member @ node_time - boundary @ node_time, time=member @ node_time,
                  node_mem=node_mem, node_time=node_time)
 
 
 def _successors(table: Table, i: int, bound: float) -> np.ndarray:
-    """Family indices ``j`` with ``L_j ⊋ L_i`` and ``key[j] <= bound``: a window of the memory order,
-    since ``key[j] >= 2 m(L_j)``."""
-    last = np.searchsorted(table.mem, bound / 2, side="right")
+    """Family indices ``j`` with ``L_j ⊋ L_i`` and ``key[j] <= bound``. As ``key[j] >= 2 m(L_j)``, they
+    lie in a window of the memory order; a lower set contains ``L_i`` exactly when it holds the maximal
+    nodes of ``L_i``, so the candidates are the window's part of the rarest such node's posting list."""
+    last = int(np.searchsorted(table.mem, bound / 2, side="right"))
     if last <= i + 1:
         return np.empty(0, dtype=np.int64)
-    js = np.arange(i + 1, last)
-    js = js[table.key[i + 1:last] <= bound]
-    if js.size:
-        js = js[~np.any(table.words[i] & ~table.words[js], axis=1)]
-    return js
+    tops = table.maximal_nodes[i]
+    if tops.size == 0:  # ∅: every set is a superset
+        js = np.arange(i + 1, last)
+    else:
+        ranges = [(np.searchsorted(table.postings[v], i + 1), np.searchsorted(table.postings[v], last), v)
+                  for v in tops.tolist()]
+        low, high, rarest = min(ranges, key=lambda r: r[1] - r[0])
+        js = table.postings[rarest][low:high]
+        others = tops[tops != rarest]
+        if others.size and js.size:
+            js = js[table.member[np.ix_(js, others)].all(axis=1)]
+    return js[table.key[js] <= bound]
 
 
 def _steps(table: Table, i: int, js: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For ``L_i -> L_j``: the stage peak without ``m(U)``, the overhead added and the cache added."""
-    boundary = table.boundary_weight[js]  # ∂(L_j), as 0/1
-    inside = table.member_weight[i]
+    # L_i ⊂ L_j, so ∂(L_j) ∩ L_i = ∂(L_j) ∩ ∂(L_i): only the few columns of ∂(L_i) matter.
+    columns = table.boundary_nodes[i]
+    shared = table.boundary_weight[np.ix_(js, columns)]
     stage = table.key[js] - 2 * table.mem[i]
-    added_time = table.time_kept[js] - (table.time[i] - boundary @ (inside * table.node_time))  # ∂(L_j) ∩ L_i
-    added_cache = table.mem_boundary[js] - boundary @ (inside * table.node_mem)
+    added_time = table.time_kept[js] - (table.time[i] - shared @ table.node_time[columns])
+    added_cache = table.mem_boundary[js] - shared @ table.node_mem[columns]
     return stage, added_time, added_cache
 
 
@@ -142,8 +154,9 @@ def feasible(table: Table, moves: Transitions, budget: float) -> bool:
     return bool(least[-1] < np.inf)
 
 
-def minimal_budget(table: Table, upper: float | None = None) -> float:
-    """A feasible budget within ``PRECISION`` of the least one; ``upper``: a budget known feasible."""
+def minimal_budget(table: Table, upper: float | None = None) -> tuple[float, Transitions]:
+    """A feasible budget within ``PRECISION`` of the least one, and the transitions that fit under it;
+    ``upper``: a budget known feasible."""
     high = float(table.key[-1]) if upper is None else float(upper)  # one stage, 2 m(V), always fits
     moves = transitions(table, high)
     low = 0.0
@@ -158,14 +171,32 @@ def minimal_budget(table: Table, upper: float | None = None) -> float:
             high = middle
         else:
             low = middle
-    return high
+    return high, moves
 
 
-def best_chain(table: Table, budget: float, mode: str) -> list[int] | None:
+def most_cache(table: Table, moves: Transitions, budget: float) -> np.ndarray:
+    """For each lower set, the most cache with which a chain can still go on from it to V within
+    ``budget`` (-inf where none can): a backward pass that lets the forward one drop dead states."""
+    size = len(table.family)
+    most = np.full(size, -np.inf)
+    most[-1] = np.inf
+    for i in range(size - 2, -1, -1):
+        part = slice(moves.starts[i], moves.starts[i + 1])
+        if part.start < part.stop:
+            most[i] = np.max(np.minimum(budget - moves.stage[part], most[moves.targets[part]] - moves.added_cache[part]))
+    return most
+
+
+def best_chain(table: Table, budget: float, mode: str, moves: Transitions | None = None) -> list[int] | None:
     """The chain (family indices, ∅ excluded) of least (tc) or most (mc) overhead within ``budget``.
 
     Each lower set's states arrive as arrays (parent, parent overhead, overhead, cache) and are cut to
-    their Pareto frontier when the lower set's turn comes; the frontier is kept for the backtracking."""
+    their Pareto frontier, and to the caches that can still finish, when the lower set's turn comes; the
+    frontier is kept for the backtracking."""
+    moves = transitions(table, budget) if moves is None else moves
+    most = most_cache(table, moves, budget)
+    if most[0] < 0:
+        return None
     size = len(table.family)
     incoming: list[list[tuple]] = [[] for _ in range(size)]
     incoming[0].append((-1, np.zeros(1), np.zeros(1), np.zeros(1)))
@@ -178,16 +209,20 @@ def best_chain(table: Table, budget: float, mode: str) -> list[int] | None:
         incoming[i] = []
         keep = _pareto(overhead, cache, mode)
         frontiers[i] = (overhead[keep], cache[keep], parents[keep], parent_overhead[keep])
-        overhead, cache = frontiers[i][0], frontiers[i][1]
-        js = _successors(table, i, budget - cache.min() + 2 * table.mem[i])
-        if js.size == 0:
+        part = slice(moves.starts[i], moves.starts[i + 1])
+        if part.start == part.stop:
             continue
-        stage, added_time, added_cache = _steps(table, i, js)
-        fits = cache[:, None] + stage[None, :] <= budget
-        for column in np.flatnonzero(fits.any(axis=0)):
+        overhead, cache = frontiers[i][0], frontiers[i][1]
+        js, added_cache = moves.targets[part], moves.added_cache[part]
+        fits = (cache[:, None] + moves.stage[part][None, :] <= budget) & \
+               (cache[:, None] + added_cache[None, :] <= most[js][None, :])
+        useful = np.flatnonzero(fits.any(axis=0))
+        if useful.size == 0:
+            continue
+        added_time = _steps(table, i, js[useful])[1]
+        for column, dt in zip(useful.tolist(), added_time.tolist()):
             rows = fits[:, column]
-            incoming[js[column]].append((i, overhead[rows], overhead[rows] + added_time[column],
-                                         cache[rows] + added_cache[column]))
+            incoming[js[column]].append((i, overhead[rows], overhead[rows] + dt, cache[rows] + added_cache[column]))
     if frontiers[-1] is None:
         return None
     overhead, _, parents, parent_overhead = frontiers[-1]
@@ -219,11 +254,15 @@ def solve_family(graph: Graph, family: list[int], budget_bytes: int | None, mode
     table = prepare(graph, family)
     param_grads = sum(graph.param_bytes)  # simulate(liveness=False) adds these; the DP's budget leaves them out
     upper = None if upper_bytes is None else upper_bytes - param_grads
-    budget = minimal_budget(table, upper) if budget_bytes is None else budget_bytes - param_grads
-    chain = best_chain(table, budget, mode) if budget >= 0 else None
+    if budget_bytes is None:
+        budget, moves = minimal_budget(table, upper)
+        chain = best_chain(table, budget, mode, moves)
+    else:
+        budget = budget_bytes - param_grads
+        chain = best_chain(table, budget, mode) if budget >= 0 else None
     if chain is None:
-        minimum = minimal_budget(table, upper)
-        plan = Plan.from_stages(graph, _stages(table, best_chain(table, minimum, mode)))
+        minimum, moves = minimal_budget(table, upper)
+        plan = Plan.from_stages(graph, _stages(table, best_chain(table, minimum, mode, moves)))
         raise InfeasibleBudget(budget_bytes, equation_2_peak(graph, plan) + param_grads, strategy)
     plan = Plan.from_stages(graph, _stages(table, chain), strategy=strategy, budget_bytes=budget_bytes)
     assert plan.kept == canonical_cache(graph, plan.stages)
@@ -238,4 +277,4 @@ def _stages(table: Table, chain: list[int]) -> list[int]:
     return stages
 
 
-__all__ = ["MODES", "best_chain", "feasible", "minimal_budget", "prepare", "solve_family"]
+__all__ = ["MODES", "best_chain", "feasible", "minimal_budget", "most_cache", "prepare", "solve_family"]

@@ -32,3 +32,15 @@ def principal_lower_sets(graph: Graph) -> list[int]:
     """``{L_v : v ∈ V} ∪ {∅, V}``, ``L_v`` being ``v`` with all its ancestors (seed 004, section 4.3)."""
     family = {0, graph.all_nodes, *graph.ancestor_mask}
     return sorted(family, key=lambda s: (s.bit_count(), s))
+
+
+def split_points(graph: Graph) -> list[int]:
+    """Nodes ``v`` that alone separate what comes before from what comes after: ``∂(L_v) = {v}``, the
+    lower-set form of an articulation point (seed 004, Appendix B). In node order; their ``L_v`` are nested."""
+    points, previous = [], 0
+    for v in range(len(graph)):
+        lower = graph.ancestor_mask[v]
+        if lower != graph.all_nodes and graph.boundary(lower) == 1 << v and lower & previous == previous:
+            points.append(v)
+            previous = lower
+    return points

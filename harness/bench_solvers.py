@@ -1,0 +1,68 @@
+"""Solve time of the DPs on the zoo nets (traced at the paper's sizes) and on the paper's own graphs.
+
+``python -m harness.bench_solvers results/solve_times`` writes ``.md`` and ``.csv``: per graph, strategy and
+mode, the lower sets in the family, the minimal feasible budget by seed 004's model (parameters and
+input excluded) and the wall time of ``strategies.solve`` (median of ``--repeat`` runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import pandas as pd
+from tqdm import tqdm
+
+import strategies
+from harness import nets, paper_graphs
+from harness.trace import trace
+
+CELLS = [(s, m) for s in ("approx_dp", "exact_dp") for m in ("tc", "mc")]
+
+
+def graphs(paper_dir: Path):
+    for name in nets.available():
+        model, example_input, _ = nets.build(name)
+        yield f"zoo/{name}", trace(model, example_input).graph
+    for name, path in paper_graphs.available(paper_dir).items():
+        yield f"paper/{name}", paper_graphs.load(path)
+
+
+def bench(graph, strategy: str, mode: str, repeat: int) -> dict:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        plan = strategies.solve(strategy, graph, mode=mode)
+        times.append(time.perf_counter() - start)
+    prediction = strategies.simulate(graph, plan, liveness=False)
+    return {"strategy": strategy, "mode": mode, "lower sets": plan.info["lower_sets"],
+            "min budget GB (model)": (prediction.peak_bytes - sum(graph.param_bytes)) / 1e9,
+            "overhead": prediction.overhead_cost, "stages": len(plan.stages),
+            "solve s": statistics.median(times)}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m harness.bench_solvers", description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="output path without suffix")
+    parser.add_argument("--paper-dir", type=Path, default=paper_graphs.DEFAULT_DIR)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    rows = []
+    items = list(graphs(args.paper_dir))
+    for (name, graph), (strategy, mode) in tqdm([(g, c) for g in items for c in CELLS], desc="solving"):
+        rows.append({"graph": name, "nodes": len(graph), **bench(graph, strategy, mode, args.repeat)})
+    table = pd.DataFrame(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    table.to_csv(args.out.with_suffix(".csv"), index=False, float_format="%.4f")
+    header = (f"Made by `python -m harness.bench_solvers {args.out}` on {datetime.date.today().isoformat()}, "
+              f"{platform.processor() or platform.machine()}, one process; times are medians of {args.repeat} "
+              "runs.\n\n")
+    args.out.with_suffix(".md").write_text(header + table.to_markdown(index=False, floatfmt=".3f") + "\n")
+
+
+if __name__ == "__main__":
+    main()

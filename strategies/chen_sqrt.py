@@ -1,0 +1,51 @@
+"""``chen_sqrt``: Chen et al. 2016's sqrt(n) segmentation (seed 003), as seed 004 ran it.
+
+Candidate splits are the lower sets with a single boundary node (``lower_sets.split_points``), plus ∅ and
+V, ordered by memory; with ``k = max(floor(sqrt(#candidates)), 1)`` segments of about ``m(V) / k`` bytes
+each, a candidate is kept when its memory passes the next multiple of ``m(V) / k``
+(``../shared/spec/kusumoto.md`` section 8, ``Chen.cpp``). The kept sets are the chain of a canonical
+strategy. No split point: one segment. The budget is only checked, by the liveness replay (as memonger
+measured real memory). O(|V| + |E|) after the ancestor sets.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from strategies.graph import Graph
+from strategies.lower_sets import split_points
+from strategies.plan import Plan
+from strategies.vanilla import check_budget
+
+BUDGET_LIVENESS = True
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    pass
+
+
+def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = None) -> Plan:
+    candidates = [0] + [graph.ancestor_mask[v] for v in split_points(graph)] + [graph.all_nodes]
+    candidates.sort(key=graph.mem)
+    step = graph.mem(graph.all_nodes) // max(math.isqrt(len(candidates)), 1)
+    threshold, chain = step, []
+    for i, lower in enumerate(candidates[1:], start=1):
+        size = graph.mem(lower)
+        if i == len(candidates) - 1 or size > threshold:
+            chain.append(lower)
+            while threshold < size:
+                threshold += max(step, 1)
+    plan = Plan.from_stages(graph, chain_to_stages(chain), strategy="chen_sqrt", budget_bytes=budget_bytes)
+    check_budget(graph, plan, budget_bytes)
+    return plan
+
+
+def chain_to_stages(chain: list[int]) -> list[int]:
+    stages, previous = [], 0
+    for lower in chain:
+        if lower != previous:
+            stages.append(lower & ~previous)
+            previous = lower
+    return stages
