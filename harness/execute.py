@@ -1,7 +1,7 @@
 """Run one training step (forward, loss, backward) of a traced module under any ``Plan``.
 
 NOTE [executing a plan]
-The forward pass runs the fx graph layer by layer with autograd on, as plain PyTorch would, inside
+The forward pass runs the fx graph layer by layer with autograd on, stage by stage (``_stage_order``), inside
 ``saved_tensors_hooks``. When a layer's backward saves a tensor whose storage belongs to an IR node the
 plan recomputes, the hook keeps only a token (the node and the tensor's size, stride and offset), so the
 value dies after its last forward use. Values the plan keeps are saved as usual, and the executor holds
@@ -12,9 +12,11 @@ recomputed nodes of stage ``i`` are run again, under ``no_grad``, from the kept 
 canonical strategy, one stage at a time). Each recomputed value is dropped when its last token has been
 unpacked. Gradients flow through the graph built in the forward pass, so the loss and every gradient
 are those of plain PyTorch, and they land in ``.grad`` as with ``loss.backward()``.
-Two side effects are replayed, not repeated: BatchNorm layers recompute with batch statistics but without
-touching their running statistics, and layers that draw random numbers (dropout) run with the RNG state
-they had in the forward pass, so they draw the same masks.
+What a recomputed layer saves besides node values (max-pooling indices, batch-norm statistics) is dropped
+in the forward pass too: the recomputation runs that layer with autograd on and collects it again, in the
+order it was saved. Two side effects are replayed, not repeated: BatchNorm layers recompute with batch
+statistics and their running statistics are put back, and layers that draw random numbers (dropout) run
+with the RNG state they had in the forward pass, so they draw the same masks.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class _Saved:
     tensor: torch.Tensor | None
     group: int = -1
     geometry: tuple = ()
+    extra: tuple[str, int] | None = None  # (fx node, rank among what it saved): not a node's value
 
 
 @dataclass
@@ -76,6 +79,10 @@ class _Step:
     recomputed: dict[int, torch.Tensor] = field(default_factory=dict)
     rng_states: dict[str, object] = field(default_factory=dict)  # random fx node -> RNG state before it
     constants: dict[str, object] = field(default_factory=dict)  # inputs and non-tensor values
+    extra_nodes: set[str] = field(default_factory=set)  # recomputed fx nodes that saved extras
+    extras: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # recomputed extras, until unpacked
+    extra_keys: set[tuple[str, int]] = field(default_factory=set)  # (fx node, rank) of every extra token
+    needs_grad: dict[str, bool] = field(default_factory=dict)  # fx node -> whether its output required grad
 
     def __post_init__(self):
         graph = self.traced.graph
@@ -96,18 +103,38 @@ class _Step:
 
     def forward(self, inputs):
         args = iter(inputs)
-        for node in self.traced.module.graph.nodes:
+        module = self.traced.module
+        self.static = {id(t.untyped_storage()) for t in list(module.parameters()) + list(module.buffers()) + list(inputs)}
+        for node in self._stage_order():
             if node.op == "output":
                 return self._load(node.args[0])
             if node.op == "placeholder":
                 self.constants[node.name] = next(args)
                 continue
+            self.pending.clear()  # saved by an earlier node and left as it is
             value = self._run(node, self._load(node.args), self._load(node.kwargs), recompute=False)
             self._store(node, value)
             self._free_inputs(node)
 
+    def _stage_order(self) -> list[fx.Node]:
+        """The fx nodes stage by stage (V_1 first), in program order within a stage: a topological order in
+        which autograd's backward, which runs in reverse creation order, visits the stages one at a time
+        from the last, as the canonical strategy does. Nodes outside the IR go with their latest input."""
+        stage_key, position = {}, {}
+        for index, node in enumerate(self.traced.module.graph.nodes):
+            position[node] = index
+            g = self.traced.group_of.get(node.name)
+            if node.op == "output":
+                stage_key[node] = len(self.plan.stages)
+            elif g is not None:
+                stage_key[node] = self.stage_of[g]
+            else:
+                stage_key[node] = max((stage_key[n] for n in node.all_input_nodes), default=-1)
+        return sorted(position, key=lambda node: (stage_key[node], position[node]))
+
     def _store(self, node: fx.Node, value):
         g = self.traced.group_of.get(node.name)
+        self.needs_grad[node.name] = any(t.requires_grad for t in tree_leaves(value) if isinstance(t, torch.Tensor))
         if g is None:
             self.constants[node.name] = value  # no tensor of its own: kept for the whole step
         else:
@@ -118,7 +145,7 @@ class _Step:
                     self.storage_group[id(storage)] = (weakref.ref(storage), g)
             if node.name in self.cached_names.get(g, ()):
                 self.cache[node.name] = value
-        self._resolve()
+        self._resolve(node.name if g is not None else None)
 
     def _free_inputs(self, node: fx.Node):
         for source in node.all_input_nodes:
@@ -141,17 +168,26 @@ class _Step:
         self.pending.append(saved)
         return saved
 
-    def _resolve(self):
-        """Turn what was saved since the last call into tokens where the value is recomputed."""
-        for saved in self.pending:
+    def _resolve(self, node_name: str | None = None):
+        """Turn what ``node_name`` saved into tokens where the plan recomputes it: a recomputed node's
+        value, or anything else a recomputed node's layer saved (pooling indices), which the
+        recomputation saves again (NOTE [executing a plan])."""
+        group = self.traced.group_of.get(node_name) if node_name else None
+        for rank, saved in enumerate(self.pending):
             storage = saved.tensor.untyped_storage()
             entry = self.storage_group.get(id(storage))
             g = entry[1] if entry and entry[0]() is storage else -1
+            t = saved.tensor
             if g in self.discarded:
-                t = saved.tensor
                 saved.group, saved.geometry = g, (t.size(), t.stride(), t.storage_offset(), t.dtype)
-                saved.tensor = None
-                self.tokens_left[g] = self.tokens_left.get(g, 0) + 1
+            elif g == -1 and group in self.discarded and id(storage) not in self.static:
+                saved.group, saved.extra = group, (node_name, rank)
+                self.extra_nodes.add(node_name)
+                self.extra_keys.add(saved.extra)
+            else:
+                continue
+            saved.tensor = None
+            self.tokens_left[saved.group] = self.tokens_left.get(saved.group, 0) + 1
         self.pending.clear()
 
     def unpack(self, saved: _Saved) -> torch.Tensor:
@@ -160,10 +196,13 @@ class _Step:
         g = saved.group
         if g not in self.recomputed:
             self._recompute_stage(self.stage_of[g])
-        size, stride, offset, dtype = saved.geometry
-        base = self.recomputed[g]
-        assert base.dtype == dtype, "executor bug: a token's dtype differs from its recomputed storage"
-        value = base.as_strided(size, stride, offset)
+        if saved.extra is not None:
+            value = self.extras.pop(saved.extra)
+        else:
+            size, stride, offset, dtype = saved.geometry
+            base = self.recomputed[g]
+            assert base.dtype == dtype, "executor bug: a token's dtype differs from its recomputed storage"
+            value = base.as_strided(size, stride, offset)
         self.tokens_left[g] -= 1
         if self.tokens_left[g] == 0:
             del self.recomputed[g]
@@ -181,18 +220,45 @@ class _Step:
         with torch.no_grad(), _preserved_rng(self.constants):
             for node in order:
                 load = lambda a: self._load(a, env)  # noqa: E731
-                env[node.name] = self._run(node, load(node.args), load(node.kwargs), recompute=True)
+                if node.name in self.extra_nodes:
+                    env[node.name] = self._rerun_saving(node, env)
+                else:
+                    env[node.name] = self._run(node, load(node.args), load(node.kwargs), recompute=True)
                 for source in node.all_input_nodes:
                     if source.name in uses:
                         uses[source.name] -= 1
                         if uses[source.name] == 0 and source.name not in finals:
                             env.pop(source.name, None)
         for g in groups:
-            if self.tokens_left.get(g):
+            if self.tokens_left.get(g):  # pending tokens: values, or extras only (then any marker will do)
                 self.recomputed[g] = _first_tensor(env[self.traced.members[g][-1]])
         for g in list(self.cache_stages):
             self.cache_stages[g].discard(stage)
             self._release_cache(g)
+
+    def _rerun_saving(self, node: fx.Node, env: dict):
+        """Recompute ``node`` with autograd on, to collect again what its layer saves beside node values;
+        the same call on inputs that require grad as they did saves the same tensors in the same order.
+        The result is detached."""
+        captured = []
+
+        def keep(t):
+            captured.append(t)
+            return t
+
+        def load(a: fx.Node):
+            value = self._load(a, env)
+            if isinstance(value, torch.Tensor) and self.needs_grad.get(a.name) and a.op != "get_attr":
+                return value.detach().requires_grad_()
+            return value
+
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), load)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            value = self._run(node, args, kwargs, recompute=True)
+        for rank, t in enumerate(captured):
+            if (node.name, rank) in self.extra_keys:
+                self.extras[(node.name, rank)] = t.detach()
+        return fx.node.map_aggregate(value, lambda v: v.detach() if isinstance(v, torch.Tensor) else v)
 
     def _release_cache(self, g: int):
         if not self.cache_stages[g]:
@@ -226,8 +292,14 @@ class _Step:
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         module = self.modules[node.target]
         if recompute and isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training:
-            # Batch statistics, as in the forward pass, but the running statistics stay as they are.
-            return F.batch_norm(args[0], None, None, module.weight, module.bias, True, 0.0, module.eps)
+            # The same call as in the forward pass (batch statistics, the same saved tensors), but the
+            # running statistics are put back: they are updated once per step.
+            before = [b.clone() for b in module.buffers()]
+            value = module(*args, **kwargs)
+            with torch.no_grad():
+                for buffer, old in zip(module.buffers(), before):
+                    buffer.copy_(old)
+            return value
         return module(*args, **kwargs)
 
     def _is_random(self, node: fx.Node) -> bool:

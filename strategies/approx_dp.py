@@ -7,21 +7,13 @@ its chains are a subset. At most |V| + 2 lower sets, so O(|V|² · t(V)) at wors
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from strategies.graph import Graph
-from strategies.lower_set_dp import solve_family
+from strategies.lower_set_dp import Options, solve_family
 from strategies.lower_sets import principal_lower_sets
 from strategies.plan import Plan
 
-
 # Budgets are judged by simulate(..., liveness=False): seed 004's model, the one the DP optimises.
 BUDGET_LIVENESS = False
-
-
-@dataclass(frozen=True, slots=True)
-class Options:
-    mode: str = "tc"  # tc: least overhead within the budget; mc: most overhead within it
 
 
 def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = None) -> Plan:

@@ -35,6 +35,13 @@ from strategies.simulate import equation_2_peak
 MODES = ("tc", "mc")
 
 
+@dataclass(frozen=True, slots=True)
+class Options:
+    """Options of both DPs."""
+
+    mode: str = "tc"  # tc: least overhead within the budget; mc: most overhead within it (seed 004, 4.4)
+
+
 @dataclass(frozen=True)
 class Table:
     """A family of lower sets, ordered by (memory, size) so that every subset comes first, with what the

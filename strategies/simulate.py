@@ -6,15 +6,19 @@ equation (2) over the stages, with term (ii) counted twice (forward values and g
 stage) and terms (iii) and (iv) taken at the new lower set. For plans that keep more than the canonical
 cache (``vanilla`` keeps everything) term (i) is the kept memory of the earlier stages, which is
 ``m(U_{i-1})`` for a canonical plan. We depart from the paper in one place: parameter gradients (zero on
-hand-written graphs) are added as a constant, so the two models count the same things.
+hand-written graphs) are added as a constant, so the two models count the same things; what layers save
+besides node values (``saved_extra_bytes``) is not in the paper's model and not in this one.
 
 ``liveness=True`` replays the step the executor (``harness.execute``) really runs, value by value, and
 frees every value and gradient right after its last use (seed 004's liveness pass, which is also what
 PyTorch's reference-counted autograd does):
-- forward, in node order: a value lives until its last forward reader, and then on into the backward
+- forward, stage by stage (``V_1`` first, node order within a stage): a value lives until its last
+  forward reader, and then on into the backward
   pass only if it is kept and something needs it there (a backward that saved it, or the recomputation
   of a discarded successor);
-- backward, in reverse node order (the autograd engine's order): the first backward of a stage that
+- what a layer's backward saves besides node values (``saved_extra_bytes``: pooling indices) lives from
+  the layer's forward to its backward, or, for a recomputed layer, from its recomputation;
+- backward, in the reverse of that order (the autograd engine's): the first backward of a stage that
   needs a discarded value recomputes all the discarded values of that stage, from the kept ones; each
   backward allocates the gradients of its inputs and its parameters, then frees its output's gradient,
   its saved extras and every value no later backward reads. A stage none of whose discarded values is
@@ -99,22 +103,25 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
     # The recomputed stages that read each kept value.
     recompute_stages = [{stage_of[w] for w in graph.succs[u] if discarded >> w & 1} & needed
                         if kept >> u & 1 else set() for u in range(n)]
-    steps = _forward(graph, kept, readers, recompute_stages)
-    steps += _backward(graph, plan, discarded, stage_of, readers, recompute_stages)
+    order = sorted(range(n), key=lambda v: (stage_of[v], v))  # stage by stage, as the executor runs
+    steps = _forward(graph, order, kept, readers, recompute_stages)
+    steps += _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages)
     return steps
 
 
-def _forward(graph, kept, readers, recompute_stages) -> list[Step]:
+def _forward(graph, order, kept, readers, recompute_stages) -> list[Step]:
     def held(u):
         return kept >> u & 1 and (readers[u] or recompute_stages[u])
 
     uses_left = [len(s) for s in graph.succs]
     steps = []
-    for v in range(len(graph)):
+    for v in order:
         allocs = [(("value", v), graph.mem_bytes[v])]
+        frees = []
         if graph.saved_extra_bytes[v]:
             allocs.append((("extra", v), graph.saved_extra_bytes[v]))
-        frees = []
+            if not kept >> v & 1:  # a recomputed layer's extras go now and come back with it
+                frees.append(("extra", v))
         for u in graph.preds[v]:
             uses_left[u] -= 1
             if uses_left[u] == 0 and not held(u):
@@ -125,7 +132,7 @@ def _forward(graph, kept, readers, recompute_stages) -> list[Step]:
     return steps
 
 
-def _backward(graph, plan, discarded, stage_of, readers, recompute_stages) -> list[Step]:
+def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages) -> list[Step]:
     n = len(graph)
     present = [bool(plan.kept >> u & 1 and (readers[u] or recompute_stages[u])) for u in range(n)]
     readers_left = [len(r) for r in readers]
@@ -143,7 +150,7 @@ def _backward(graph, plan, discarded, stage_of, readers, recompute_stages) -> li
         grad_live[v] = True
     steps.append(Step(-1, "backward", tuple((("grad", v), graph.mem_bytes[v]) for v in sinks), ()))
     recomputed = set()
-    for v in reversed(range(n)):
+    for v in reversed(order):
         for s in sorted({stage_of[u] for u in graph.backward_reads[v] if not present[u]} - recomputed):
             recomputed.add(s)
             steps += _recompute_stage(graph, plan.stages[s] & discarded, s, present, readers_left, stages_left,
@@ -180,7 +187,10 @@ def _recompute_stage(graph, stage_discarded, s, present, readers_left, stages_le
                 release_if_done(u, frees)
         if in_stage_uses[w] == 0:
             release_if_done(w, frees)
-        steps.append(Step(w, "recompute", ((("value", w), graph.mem_bytes[w]),), tuple(frees)))
+        allocs = [(("value", w), graph.mem_bytes[w])]
+        if graph.saved_extra_bytes[w]:
+            allocs.append((("extra", w), graph.saved_extra_bytes[w]))
+        steps.append(Step(w, "recompute", tuple(allocs), tuple(frees)))
     for u in range(len(graph)):
         if s in stages_left[u]:  # this stage's recomputation was the last reader of a kept value
             stages_left[u].discard(s)

@@ -94,3 +94,20 @@ def test_bad_mode_and_budget():
         solve("approx_dp", chain(), mode="fast")
     with pytest.raises(InfeasibleBudget, match="minimal feasible budget is 4 bytes"):
         solve("approx_dp", chain(), 3)
+
+
+@pytest.mark.parametrize("name", ["approx_dp", "exact_dp"])
+def test_minimal_budget_on_a_real_net_is_tight(name):
+    from harness import nets
+    from harness.trace import trace
+
+    model, x, _ = nets.build("resnet50", 2, 64)
+    graph = trace(model, x).graph
+    least = simulate(graph, solve(name, graph), liveness=False).peak_bytes
+    assert model_peak(graph, solve(name, graph, least)) <= least
+    with pytest.raises(InfeasibleBudget):
+        solve(name, graph, int(0.99 * least))
+
+
+def model_peak(graph, plan):
+    return simulate(graph, plan, liveness=False).peak_bytes

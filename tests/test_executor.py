@@ -66,7 +66,10 @@ def assert_step_matches(model, x, loss_fn, reference, reference_loss, plan, trac
         if q.grad is None:
             assert p.grad is None, name
         else:
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            # Float32 tolerance at the gradient's scale: a plan's stage order changes the order in which
+            # autograd sums the gradient contributions of a value read by several layers.
+            scale = q.grad.abs().max().item()
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5 * scale, msg=lambda m: f"{name}: {m}")
     for (name, b), r in zip(model.named_buffers(), reference.buffers()):
         torch.testing.assert_close(b, r, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")  # updated exactly once
     model.load_state_dict(state)
