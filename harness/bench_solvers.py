@@ -20,6 +20,7 @@ from tqdm import tqdm
 import strategies
 from harness import nets, paper_graphs
 from harness.trace import trace
+from strategies.lower_sets import all_lower_sets
 
 CELLS = [(s, m) for s in ("approx_dp", "exact_dp") for m in ("tc", "mc")]
 
@@ -32,7 +33,12 @@ def graphs(paper_dir: Path):
         yield f"paper/{name}", paper_graphs.load(path)
 
 
-def bench(graph, strategy: str, mode: str, repeat: int) -> dict:
+def bench(graph, strategy: str, mode: str, repeat: int, max_lower_sets: int | None) -> dict:
+    if strategy == "exact_dp" and max_lower_sets is not None:
+        count = len(all_lower_sets(graph))
+        if count > max_lower_sets:
+            return {"strategy": strategy, "mode": mode, "lower sets": count,
+                    "note": f"not run: more than --max-lower-sets {max_lower_sets} lower sets"}
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
@@ -42,7 +48,7 @@ def bench(graph, strategy: str, mode: str, repeat: int) -> dict:
     return {"strategy": strategy, "mode": mode, "lower sets": plan.info["lower_sets"],
             "min budget GB (model)": (prediction.peak_bytes - sum(graph.param_bytes)) / 1e9,
             "overhead": prediction.overhead_cost, "stages": len(plan.stages),
-            "solve s": statistics.median(times)}
+            "solve s": statistics.median(times), "note": ""}
 
 
 def main(argv=None) -> None:
@@ -50,15 +56,21 @@ def main(argv=None) -> None:
     parser.add_argument("out", type=Path, help="output path without suffix")
     parser.add_argument("--paper-dir", type=Path, default=paper_graphs.DEFAULT_DIR)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--max-lower-sets", type=int, default=None,
+                        help="report exact_dp as not run on graphs with more lower sets (it needs memory for "
+                             "every transition that fits the approximate DP's budget)")
     args = parser.parse_args(argv)
     rows = []
     items = list(graphs(args.paper_dir))
     for (name, graph), (strategy, mode) in tqdm([(g, c) for g in items for c in CELLS], desc="solving"):
-        rows.append({"graph": name, "nodes": len(graph), **bench(graph, strategy, mode, args.repeat)})
+        rows.append({"graph": name, "nodes": len(graph),
+                     **bench(graph, strategy, mode, args.repeat, args.max_lower_sets)})
     table = pd.DataFrame(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out.with_suffix(".csv"), index=False, float_format="%.4f")
-    header = (f"Made by `python -m harness.bench_solvers {args.out}` on {datetime.date.today().isoformat()}, "
+    command = " ".join(["python -m harness.bench_solvers", str(args.out)] + [
+        f"--repeat {args.repeat}"] + ([f"--max-lower-sets {args.max_lower_sets}"] if args.max_lower_sets else []))
+    header = (f"Made by `{command}` on {datetime.date.today().isoformat()}, "
               f"{platform.processor() or platform.machine()}, one process; times are medians of {args.repeat} "
               "runs.\n\n")
     args.out.with_suffix(".md").write_text(header + table.to_markdown(index=False, floatfmt=".3f") + "\n")

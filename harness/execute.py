@@ -119,17 +119,15 @@ class _Step:
     def _stage_order(self) -> list[fx.Node]:
         """The fx nodes stage by stage (V_1 first), in program order within a stage: a topological order in
         which autograd's backward, which runs in reverse creation order, visits the stages one at a time
-        from the last, as the canonical strategy does. Nodes outside the IR go with their latest input."""
+        from the last, as the canonical strategy does. A node never comes before its inputs; nodes outside
+        the IR go with their latest input."""
         stage_key, position = {}, {}
         for index, node in enumerate(self.traced.module.graph.nodes):
             position[node] = index
             g = self.traced.group_of.get(node.name)
-            if node.op == "output":
-                stage_key[node] = len(self.plan.stages)
-            elif g is not None:
-                stage_key[node] = self.stage_of[g]
-            else:
-                stage_key[node] = max((stage_key[n] for n in node.all_input_nodes), default=-1)
+            own = len(self.plan.stages) if node.op == "output" else self.stage_of[g] if g is not None else -1
+            # A view can read a shape computed in a later stage (U-Net's crops): then it waits for it.
+            stage_key[node] = max([own] + [stage_key[n] for n in node.all_input_nodes])
         return sorted(position, key=lambda node: (stage_key[node], position[node]))
 
     def _store(self, node: fx.Node, value):

@@ -98,8 +98,8 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
     for v in range(n):
         for u in graph.backward_reads[v]:
             readers[u].append(v)
-    # A stage is recomputed only when some backward reads one of its discarded values.
-    needed = {stage_of[u] for u in members(discarded) if readers[u]}
+    # A stage is recomputed only when some backward reads one of its discarded values or extras.
+    needed = {stage_of[u] for u in members(discarded) if readers[u] or graph.saved_extra_bytes[u]}
     # The recomputed stages that read each kept value.
     recompute_stages = [{stage_of[w] for w in graph.succs[u] if discarded >> w & 1} & needed
                         if kept >> u & 1 else set() for u in range(n)]
@@ -150,19 +150,26 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
         grad_live[v] = True
     steps.append(Step(-1, "backward", tuple((("grad", v), graph.mem_bytes[v]) for v in sinks), ()))
     recomputed = set()
+    extras_present = [bool(graph.saved_extra_bytes[v] and plan.kept >> v & 1) for v in range(n)]
     for v in reversed(order):
-        for s in sorted({stage_of[u] for u in graph.backward_reads[v] if not present[u]} - recomputed):
+        missing = {stage_of[u] for u in graph.backward_reads[v] if not present[u]}
+        if graph.saved_extra_bytes[v] and not extras_present[v]:
+            missing.add(stage_of[v])
+        for s in sorted(missing - recomputed):
             recomputed.add(s)
             steps += _recompute_stage(graph, plan.stages[s] & discarded, s, present, readers_left, stages_left,
                                       release_if_done)
+            for w in members(plan.stages[s] & discarded):
+                extras_present[w] = bool(graph.saved_extra_bytes[w])
         allocs = [(("grad", u), graph.mem_bytes[u]) for u in graph.preds[v] if not grad_live[u]]
         for u in graph.preds[v]:
             grad_live[u] = True
         if graph.param_bytes[v]:
             allocs.append((("param_grad", v), graph.param_bytes[v]))
         frees = [("grad", v)]
-        if graph.saved_extra_bytes[v]:
+        if extras_present[v]:
             frees.append(("extra", v))
+            extras_present[v] = False
         for u in graph.backward_reads[v]:
             readers_left[u] -= 1
             release_if_done(u, frees)
