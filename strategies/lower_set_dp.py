@@ -7,8 +7,9 @@ A chain ``∅ = L_0 ⊊ L_1 ⊊ ... ⊊ L_k = V`` is built one lower set at a ti
     stage peak  = m(U) + 2 m(L' \\ L) + m(δ⁺(L') \\ L') + m(δ⁻(δ⁺(L') \\ L') \\ L')   (must fit the budget)
     t'          = t + t((L' \\ L) \\ ∂(L'))                                    (equation (1))
     m(U')       = m(U) + m(∂(L') \\ L)
-Lower sets are visited by size, so every subset comes before its supersets (the published DP.cpp visits
-them in discovery order and misses transitions: ``../shared/spec/kusumoto.md``, pitfall 6).
+Lower sets are visited by memory, then size, so every subset comes before its supersets (the published
+DP.cpp visits them in discovery order and misses transitions: ``../shared/spec/kusumoto.md``, pitfall 6).
+The supersets that can follow ``L`` within the budget lie in a window of that order (``_successors``).
 Per lower set, only Pareto-optimal states are expanded: for the time-centric objective (least overhead)
 a state is dropped when another has no more overhead and no more cache; for the memory-centric one (most
 overhead, seed 004 section 4.4) when another has no less overhead and no more cache. Both prunings are
