@@ -112,8 +112,7 @@ class MemoryTracker(TorchDispatchMode):
 def measure(step: Callable[[], object], model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], device: str,
             warmup_steps: int = 2, timed_steps: int = 5) -> Measurement:
     """Measure ``step`` (one training step of ``model`` on ``inputs``) on ``device``."""
-    if device not in DEVICES:
-        raise ValueError(f"unknown device {device!r}; valid devices: {', '.join(DEVICES)}")
+    check_device(device)
     tracked = _tracked_step(step, model, inputs)
     if device == "meta":
         return Measurement(device="meta", method="meta-tracker", peak_bytes=tracked.peak_bytes,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from strategies.chen_sqrt import chain_to_stages
 from strategies.graph import Graph
 from strategies.lower_sets import split_points
 from strategies.plan import InfeasibleBudget, Plan
@@ -65,5 +64,4 @@ def _greedy(graph: Graph, points: set[int], threshold: int, budget_bytes: int | 
             running = 0
     largest = max(largest, running)
     chain.append(graph.all_nodes)
-    return kept, largest, Plan.from_stages(graph, chain_to_stages(chain), strategy="chen_greedy",
-                                           budget_bytes=budget_bytes)
+    return kept, largest, Plan.from_chain(graph, chain, strategy="chen_greedy", budget_bytes=budget_bytes)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from strategies.graph import Graph
 from strategies.lower_sets import split_points
 from strategies.plan import Plan
-from strategies.vanilla import check_budget
+from strategies.simulate import check_budget
 
 BUDGET_LIVENESS = True
 
@@ -37,15 +37,6 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
             chain.append(lower)
             while threshold < size:
                 threshold += max(step, 1)
-    plan = Plan.from_stages(graph, chain_to_stages(chain), strategy="chen_sqrt", budget_bytes=budget_bytes)
+    plan = Plan.from_chain(graph, chain, strategy="chen_sqrt", budget_bytes=budget_bytes)
     check_budget(graph, plan, budget_bytes)
     return plan
-
-
-def chain_to_stages(chain: list[int]) -> list[int]:
-    stages, previous = [], 0
-    for lower in chain:
-        if lower != previous:
-            stages.append(lower & ~previous)
-            previous = lower
-    return stages

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 from strategies.graph import Graph
 from strategies.plan import Plan
-from strategies.simulate import Step, peak_of, simulate, timeline
-from strategies.vanilla import check_budget
+from strategies.simulate import Step, check_budget, peak_of, simulate, timeline
 
 # Computations that may write their output over an input that dies there (MXNet's FInplaceOption).
 INPLACE_KINDS = frozenset({"act", "add", "mul", "dropout"})

@@ -270,19 +270,11 @@ def solve_family(graph: Graph, family: list[int], budget_bytes: int | None, mode
         chain = best_chain(table, budget, mode) if budget >= 0 else None
     if chain is None:
         minimum, moves = minimal_budget(table, upper)
-        plan = Plan.from_stages(graph, _stages(table, best_chain(table, minimum, mode, moves)))
+        plan = Plan.from_chain(graph, [table.family[i] for i in best_chain(table, minimum, mode, moves)])
         raise InfeasibleBudget(budget_bytes, equation_2_peak(graph, plan) + param_grads, strategy)
-    plan = Plan.from_stages(graph, _stages(table, chain), strategy=strategy, budget_bytes=budget_bytes)
+    plan = Plan.from_chain(graph, [table.family[i] for i in chain], strategy=strategy, budget_bytes=budget_bytes)
     assert plan.kept == canonical_cache(graph, plan.stages)
     return plan
-
-
-def _stages(table: Table, chain: list[int]) -> list[int]:
-    stages, previous = [], 0
-    for i in chain:
-        stages.append(table.family[i] & ~previous)
-        previous = table.family[i]
-    return stages
 
 
 __all__ = ["MODES", "best_chain", "feasible", "minimal_budget", "most_cache", "prepare", "solve_family"]

@@ -63,6 +63,17 @@ class Plan:
         plan.validate(graph)
         return plan
 
+    @classmethod
+    def from_chain(cls, graph: Graph, chain: Iterable[int], **kwargs) -> "Plan":
+        """A plan from its chain of lower sets ``L_1 ⊊ ... ⊊ L_k = V`` (bitsets); a repeated set is skipped.
+        Keyword arguments as for ``from_stages``."""
+        stages, previous = [], 0
+        for lower in chain:
+            if lower != previous:
+                stages.append(lower & ~previous)
+                previous = lower
+        return cls.from_stages(graph, stages, **kwargs)
+
     @property
     def recomputed(self) -> int:
         """Bitset of the nodes recomputed in the backward pass (given the graph's size through ``stages``)."""

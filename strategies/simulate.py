@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from strategies.graph import Graph, members
-from strategies.plan import Plan
+from strategies.plan import InfeasibleBudget, Plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +61,15 @@ def simulate(graph: Graph, plan: Plan, liveness: bool = True) -> Prediction:
     else:
         peak = equation_2_peak(graph, plan) + sum(graph.param_bytes)
     return Prediction(peak_bytes=peak, overhead_cost=overhead, liveness=liveness)
+
+
+def check_budget(graph: Graph, plan: Plan, budget_bytes: int | None) -> None:
+    """Raise ``InfeasibleBudget`` when a plan with no choices left exceeds the budget (liveness replay)."""
+    if budget_bytes is None:
+        return
+    peak = simulate(graph, plan).peak_bytes
+    if peak > budget_bytes:
+        raise InfeasibleBudget(budget_bytes, peak, plan.strategy)
 
 
 def peak_of(steps: list[Step]) -> int:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from strategies.graph import Graph
-from strategies.plan import InfeasibleBudget, Plan
-from strategies.simulate import simulate
+from strategies.plan import Plan
+from strategies.simulate import check_budget
 
 
 # Budgets are judged by simulate(..., liveness=True): it has no choice to make, and the real step frees by liveness.
@@ -28,12 +28,3 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
                             budget_bytes=budget_bytes)
     check_budget(graph, plan, budget_bytes)
     return plan
-
-
-def check_budget(graph: Graph, plan: Plan, budget_bytes: int | None) -> None:
-    """Raise ``InfeasibleBudget`` when a plan with no choices left exceeds the budget."""
-    if budget_bytes is None:
-        return
-    peak = simulate(graph, plan).peak_bytes
-    if peak > budget_bytes:
-        raise InfeasibleBudget(budget_bytes, peak, plan.strategy)
