@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from strategies.graph import Graph
 from strategies.lower_set_dp import Options, solve_family
-from strategies.lower_sets import principal_lower_sets
+from strategies.lower_sets import principal_lower_sets, words_of
 from strategies.plan import Plan
 
 # Budgets are judged by simulate(..., liveness=False): seed 004's model, the one the DP optimises.
@@ -18,7 +18,7 @@ BUDGET_LIVENESS = False
 
 def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = None) -> Plan:
     options = options or Options()
-    family = principal_lower_sets(graph)
+    family = words_of(principal_lower_sets(graph), len(graph))
     plan = solve_family(graph, family, budget_bytes, options.mode, "approx_dp")
     plan.info["lower_sets"] = len(family)
     return plan

@@ -2,30 +2,39 @@
 
 from __future__ import annotations
 
+import numpy as np
+
+from strategies import dp_kernels as kernels
 from strategies.graph import Graph
 
+LIMIT = 5_000_000
 
-def all_lower_sets(graph: Graph, limit: int = 2_000_000) -> list[int]:
-    """Every lower set of ``graph``, by size; raises ``ValueError`` past ``limit`` rather than truncate."""
-    n = len(graph)
-    pred = graph.pred_mask
-    seen = {0}
-    frontier = [0]
-    while frontier:
-        grown = []
-        for lower in frontier:
-            rest = ~lower
-            for v in range(n):
-                if rest >> v & 1 and pred[v] & rest == 0:
-                    bigger = lower | 1 << v
-                    if bigger not in seen:
-                        seen.add(bigger)
-                        grown.append(bigger)
-        if len(seen) > limit:
-            raise ValueError(f"the graph has more than {limit} lower sets; the exact DP cannot enumerate them "
-                             "(use approx_dp, or raise the limit)")
-        frontier = grown
-    return sorted(seen, key=lambda s: (s.bit_count(), s))
+
+def words_of(bitsets, n: int) -> np.ndarray:
+    """Bitsets (Python ints) as rows of 64-bit words, the form the compiled DP kernels take."""
+    width = max(1, (n + 63) // 64)
+    raw = b"".join(s.to_bytes(8 * width, "little") for s in bitsets)
+    return np.frombuffer(raw, dtype="<u8").reshape(-1, width).copy()
+
+
+def bitset(row: np.ndarray) -> int:
+    """A row of words back to a bitset."""
+    return int.from_bytes(row.astype("<u8").tobytes(), "little")
+
+
+def all_lower_set_words(graph: Graph, limit: int = LIMIT) -> np.ndarray:
+    """Every lower set of ``graph`` as rows of words (``dp_kernels.enumerate_lower_sets``); raises
+    ``ValueError`` past ``limit`` rather than truncate."""
+    words, complete = kernels.enumerate_lower_sets(words_of(graph.pred_mask, len(graph)), limit)
+    if not complete:
+        raise ValueError(f"the graph has more than {limit} lower sets; the exact DP cannot enumerate them "
+                         "(use approx_dp, or raise the limit)")
+    return words
+
+
+def all_lower_sets(graph: Graph, limit: int = LIMIT) -> list[int]:
+    """Every lower set of ``graph`` as bitsets, by size."""
+    return sorted((bitset(row) for row in all_lower_set_words(graph, limit)), key=lambda s: (s.bit_count(), s))
 
 
 def principal_lower_sets(graph: Graph) -> list[int]:
