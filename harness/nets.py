@@ -32,6 +32,9 @@ class NetSpec:
     loss: str = "classification"
     valid_side: Callable[[int], bool] = lambda side: side >= 32
     side_rule: str = "at least 32"
+    # The natural blocks a careful PyTorch user wraps in torch.utils.checkpoint, as module paths
+    # ("layer1.0") or slices of an nn.Sequential's children ("features[0:5]"), in execution order.
+    blocks: Callable[[nn.Module], list[str]] = lambda model: []
 
 
 def _torchvision(name: str, **kwargs) -> Callable[[], nn.Module]:
@@ -115,17 +118,34 @@ def _center_crop(skip: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return skip[:, :, top:top + like.shape[-2], left:left + like.shape[-1]]
 
 
+def _instances(*class_names: str) -> Callable[[nn.Module], list[str]]:
+    return lambda model: [path for path, m in model.named_modules() if type(m).__name__ in class_names]
+
+
+def _vgg_stages(model: nn.Module) -> list[str]:
+    """VGG's stages: ``features`` cut after each max-pooling."""
+    cuts = [0] + [i + 1 for i, m in enumerate(model.features) if isinstance(m, nn.MaxPool2d)]
+    return [f"features[{a}:{b}]" for a, b in zip(cuts, cuts[1:])]
+
+
 NETS = {
     "pspnet": NetSpec(_pspnet, batch_size=2, image_size=712, paper_nodes=385, paper_vanilla_gb=9.4, loss="segmentation",
-                      valid_side=lambda side: side >= 32 and side % 8 == 0, side_rule="a multiple of 8, at least 32"),
+                      valid_side=lambda side: side >= 32 and side % 8 == 0, side_rule="a multiple of 8, at least 32",
+                      blocks=lambda model: [f"model.encoder.layer{i}" for i in range(1, 5)] + ["model.decoder.psp"]),
     "unet": NetSpec(UNet, batch_size=8, image_size=572, paper_nodes=60, paper_vanilla_gb=9.1, loss="segmentation",
-                    valid_side=_unet_side_ok, side_rule="one whose four poolings all see even sides (572, 188)"),
-    "resnet50": NetSpec(_torchvision("resnet50"), batch_size=96, image_size=224, paper_nodes=176, paper_vanilla_gb=8.9),
-    "resnet152": NetSpec(_torchvision("resnet152"), batch_size=48, image_size=224, paper_nodes=516, paper_vanilla_gb=9.2),
-    "vgg19": NetSpec(_torchvision("vgg19"), batch_size=64, image_size=224, paper_nodes=46, paper_vanilla_gb=7.0),
-    "densenet161": NetSpec(_torchvision("densenet161"), batch_size=32, image_size=224, paper_nodes=568, paper_vanilla_gb=8.5),
+                    valid_side=_unet_side_ok, side_rule="one whose four poolings all see even sides (572, 188)",
+                    blocks=lambda model: [f"down.{i}" for i in range(len(model.down))]
+                    + [f"up_conv.{i}" for i in range(len(model.up_conv))]),
+    "resnet50": NetSpec(_torchvision("resnet50"), batch_size=96, image_size=224, paper_nodes=176, paper_vanilla_gb=8.9,
+                        blocks=_instances("Bottleneck")),
+    "resnet152": NetSpec(_torchvision("resnet152"), batch_size=48, image_size=224, paper_nodes=516, paper_vanilla_gb=9.2,
+                         blocks=_instances("Bottleneck")),
+    "vgg19": NetSpec(_torchvision("vgg19"), batch_size=64, image_size=224, paper_nodes=46, paper_vanilla_gb=7.0,
+                     blocks=_vgg_stages),
+    "densenet161": NetSpec(_torchvision("densenet161"), batch_size=32, image_size=224, paper_nodes=568, paper_vanilla_gb=8.5,
+                           blocks=_instances("_DenseLayer", "_Transition")),
     "googlenet": NetSpec(_torchvision("googlenet", aux_logits=False, init_weights=False), batch_size=256,
-                         image_size=224, paper_nodes=134, paper_vanilla_gb=8.5),
+                         image_size=224, paper_nodes=134, paper_vanilla_gb=8.5, blocks=_instances("Inception")),
 }
 
 

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 
+import dataclasses
+
 import strategies
-from harness import nets
+from harness import nets, peers
 from harness.budget import parse_budget
 from harness.execute import execute
 from harness.measure import check_device, measure
@@ -76,11 +78,19 @@ def _measure_cell(row: dict) -> dict:
     graph = traced.graph
     static_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     static_bytes += example_input.numel() * example_input.element_size()
-    plan = _solve(row, graph, static_bytes)
+    # A strategy that follows the net's own blocks (a PyTorch peer) gets the zoo's list; it stays out of
+    # the row's options, which name the result file.
+    fields = {f.name for f in dataclasses.fields(strategies.module(row["strategy"]).Options)}
+    blocks = nets.spec(row["net"]).blocks(model)
+    zoo_options = {"blocks": tuple(blocks)} if "blocks" in fields and "blocks" not in row["options"] else {}
+    plan = _solve(row, graph, static_bytes, zoo_options)
     predicted = strategies.simulate(graph, plan, liveness=True)
     predicted_no_liveness = strategies.simulate(graph, plan, liveness=False)
-    measured = measure(lambda: execute(traced, plan, example_input, loss_fn=loss_fn), model, (example_input,),
-                       row["device"], row["warmup_steps"], row["timed_steps"])
+    if plan.info.get("runner"):
+        step = peers.step(plan, model, blocks, example_input, loss_fn)
+    else:
+        step = lambda: execute(traced, plan, example_input, loss_fn=loss_fn)  # noqa: E731
+    measured = measure(step, model, (example_input,), row["device"], row["warmup_steps"], row["timed_steps"])
     return {
         "method": measured.method, "device_name": measured.device_name,
         "measured_peak_bytes": measured.peak_bytes, "tracker_peak_bytes": measured.tracker_peak_bytes,
@@ -97,17 +107,18 @@ def _measure_cell(row: dict) -> dict:
     }
 
 
-def _solve(row: dict, graph, static_bytes: int):
+def _solve(row: dict, graph, static_bytes: int, zoo_options: dict):
     """The strategy's plan; the row's budget counts the whole device, the strategy's leaves out what every
     plan holds anyway (parameters, buffers, the input batch)."""
     budget = row["budget_bytes"]
+    options = {**zoo_options, **row["options"]}
     try:
         if budget is not None and budget <= static_bytes:  # the fixed part alone does not fit: say what would
-            least = strategies.solve(row["strategy"], graph, None, **row["options"])
+            least = strategies.solve(row["strategy"], graph, None, **options)
             liveness = strategies.module(row["strategy"]).BUDGET_LIVENESS
             raise strategies.InfeasibleBudget(budget, strategies.simulate(graph, least, liveness).peak_bytes)
         return strategies.solve(row["strategy"], graph, None if budget is None else budget - static_bytes,
-                                **row["options"])
+                                **options)
     except strategies.InfeasibleBudget as error:
         minimum = None if error.min_feasible_bytes is None else error.min_feasible_bytes + static_bytes
         raise strategies.InfeasibleBudget(budget, minimum, row["strategy"]) from error

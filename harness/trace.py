@@ -192,10 +192,17 @@ class _Probe(fx.Interpreter):
             backward_reads=[sorted(rank[h] for h in g["reads"]) for g in groups],
             saved_extra_bytes=[g["extra"] for g in groups],
             param_bytes=[g["params"] for g in groups],
+            scopes=[_scope(g["final"]) for g in groups],
         )
         members = tuple(tuple(node.name for node in g["members"]) for g in groups)
         group_of = {name: i for i, names in enumerate(members) for name in names}
         return Traced(module=gm, graph=graph, members=members, group_of=group_of, fx_node_count=self.fx_count)
+
+
+def _scope(node: fx.Node) -> str:
+    """The path of the innermost module whose forward made ``node`` (fx records the module stack)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return next(reversed(stack.values()))[0] if stack else ""
 
 
 def _target(node: fx.Node, module: torch.nn.Module):

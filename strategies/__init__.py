@@ -29,6 +29,7 @@ _MODULES = {
     "approx_dp": "strategies.approx_dp",
     "chen_sqrt": "strategies.chen_sqrt",
     "chen_greedy": "strategies.chen_greedy",
+    "torch_checkpoint_blocks": "strategies.torch_checkpoint_blocks",
 }
 
 __all__ = ["Action", "Graph", "InfeasibleBudget", "Plan", "Prediction", "available", "bits", "members",

@@ -38,7 +38,9 @@ class Graph:
     what autograd really saves (a ReLU its output, an addition nothing). ``saved_extra_bytes[v]`` counts
     what that backward keeps besides node values (pooling indices, normalisation statistics), and
     ``param_bytes[v]`` the parameters ``v``'s computation owns, whose gradients its backward makes.
-    Both default to zero, as in seed 004, which leaves parameters out of the model.
+    Both default to zero, as in seed 004, which leaves parameters out of the model. ``scopes[v]`` is the
+    path of the module that computed ``v`` (``"layer1.0.conv1"``), when the graph was traced; strategies
+    that follow a net's own blocks read it.
     """
 
     mem_bytes: tuple[int, ...]
@@ -49,6 +51,7 @@ class Graph:
     backward_reads: tuple[tuple[int, ...], ...] | None = None
     saved_extra_bytes: tuple[int, ...] | None = None
     param_bytes: tuple[int, ...] | None = None
+    scopes: tuple[str, ...] | None = None
     preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     pred_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -56,7 +59,7 @@ class Graph:
     ancestor_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __init__(self, mem_bytes, cost, edges, names=None, kinds=None, backward_reads=None,
-                 saved_extra_bytes=None, param_bytes=None):
+                 saved_extra_bytes=None, param_bytes=None, scopes=None):
         n = len(mem_bytes)
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
         put("mem_bytes", tuple(int(m) for m in mem_bytes))
@@ -87,6 +90,7 @@ class Graph:
         put("saved_extra_bytes", tuple(int(b) for b in extra))
         params = param_bytes if param_bytes is not None else [0] * n
         put("param_bytes", tuple(int(b) for b in params))
+        put("scopes", tuple(str(x) for x in scopes) if scopes is not None else tuple("" for _ in range(n)))
         _validate_backward(self)
 
     def __len__(self) -> int:
@@ -157,8 +161,9 @@ def _validate(graph: Graph) -> None:
 
 def _validate_backward(graph: Graph) -> None:
     n = len(graph)
-    if len(graph.backward_reads) != n or len(graph.saved_extra_bytes) != n or len(graph.param_bytes) != n:
-        raise ValueError("Graph: backward_reads, saved_extra_bytes and param_bytes need one entry per node")
+    if (len(graph.backward_reads) != n or len(graph.saved_extra_bytes) != n or len(graph.param_bytes) != n
+            or len(graph.scopes) != n):
+        raise ValueError("Graph: backward_reads, saved_extra_bytes, param_bytes and scopes need one entry per node")
     for v, reads in enumerate(graph.backward_reads):
         for u in reads:
             if u != v and u not in graph.preds[v]:

@@ -1,13 +1,14 @@
 """Exactness: under every plan, the loss, every gradient and the BatchNorm statistics equal plain PyTorch's."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 from torch import nn
 
 import strategies
-from harness import nets
+from harness import nets, peers
 from harness.execute import execute
 from harness.trace import trace
 from strategies import Plan, bits
@@ -42,8 +43,11 @@ def quarter_plan(graph) -> Plan:
     return Plan.from_stages(graph, [bits(range(cuts[i], cuts[i + 1])) for i in range(4) if cuts[i] < cuts[i + 1]])
 
 
-def plans(graph):
-    yield from ((name, strategies.solve(name, graph)) for name in strategies.available())
+def plans(graph, blocks):
+    """Every strategy's plan at its default budget (peers get the net's blocks), and a recomputing one."""
+    for name in strategies.available():
+        fields = {f.name for f in dataclasses.fields(strategies.module(name).Options)}
+        yield name, strategies.solve(name, graph, **({"blocks": tuple(blocks)} if "blocks" in fields else {}))
     yield "four_stages", quarter_plan(graph)
 
 
@@ -55,12 +59,15 @@ def reference_step(model, x, loss_fn):
     return reference, loss.detach()
 
 
-def assert_step_matches(model, x, loss_fn, reference, reference_loss, plan, traced):
+def assert_step_matches(model, x, loss_fn, reference, reference_loss, plan, traced, blocks):
     state = copy.deepcopy(model.state_dict())
     for p in model.parameters():
         p.grad = None
     torch.manual_seed(0)
-    loss = execute(traced, plan, x, loss_fn=loss_fn)
+    if plan.info.get("runner"):  # a PyTorch peer: the model under torch.utils.checkpoint
+        loss = peers.step(plan, model, blocks, x, loss_fn)()
+    else:
+        loss = execute(traced, plan, x, loss_fn=loss_fn)
     torch.testing.assert_close(loss, reference_loss, rtol=0, atol=0)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         if q.grad is None:
@@ -82,8 +89,10 @@ def test_every_plan_matches_plain_pytorch_on_the_zoo(net):
     model, x, loss_fn = nets.build(net, batch, side, device="cpu")
     reference, reference_loss = reference_step(model, x, loss_fn)
     traced = trace(model, x)
-    for name, plan in plans(traced.graph):
-        assert_step_matches(model, x, loss_fn, reference, reference_loss, plan, traced)
+    blocks = nets.spec(net).blocks(model)
+    assert blocks, f"{net}: the zoo lists no blocks"
+    for name, plan in plans(traced.graph, blocks):
+        assert_step_matches(model, x, loss_fn, reference, reference_loss, plan, traced, blocks)
 
 
 def test_dropout_masks_and_skips_to_the_output():
@@ -95,8 +104,9 @@ def test_dropout_masks_and_skips_to_the_output():
     traced = trace(model, x)
     recomputing = quarter_plan(traced.graph)
     assert recomputing.recomputed, "the plan must recompute something, dropout layers included"
-    for name, plan in plans(traced.graph):
-        assert_step_matches(model, x, loss_fn, reference, reference_loss, plan, traced)
+    blocks = [f"layers.{i}" for i in range(len(model.layers))]
+    for name, plan in plans(traced.graph, blocks):
+        assert_step_matches(model, x, loss_fn, reference, reference_loss, plan, traced, blocks)
     # Without replaying the RNG, recomputed dropout would draw new masks: the check above would fail.
     assert any(traced.graph.kinds[v] == "dropout" for v in strategies.members(recomputing.recomputed))
 
