@@ -11,12 +11,22 @@ calls; a block that is itself a BatchNorm layer would escape them. No zoo block 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from functools import partial
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+import strategies
+
+
+def zoo_options(strategy: str, blocks: list[str]) -> dict:
+    """The options a strategy that follows the net's own blocks (a peer) takes from the zoo: ``blocks``, if
+    its ``Options`` has that field; nothing otherwise."""
+    fields = {f.name for f in dataclasses.fields(strategies.module(strategy).Options)}
+    return {"blocks": tuple(blocks)} if "blocks" in fields else {}
 
 
 @contextlib.contextmanager
@@ -46,8 +56,7 @@ def batchnorm_once(model: nn.Module):
             handle.remove()
 
 
-def _sequential_slice(children: list[nn.Module], *args):
-    x, = args
+def _sequential_slice(children: list[nn.Module], x):
     for child in children:
         x = child(x)
     return x

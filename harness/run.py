@@ -16,8 +16,6 @@ from pathlib import Path
 
 import torch
 
-import dataclasses
-
 import strategies
 from harness import nets, peers
 from harness.budget import parse_budget
@@ -79,11 +77,9 @@ def _measure_cell(row: dict) -> dict:
     static_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     static_bytes += example_input.numel() * example_input.element_size()
     # A strategy that follows the net's own blocks (a PyTorch peer) gets the zoo's list; it stays out of
-    # the row's options, which name the result file.
-    fields = {f.name for f in dataclasses.fields(strategies.module(row["strategy"]).Options)}
+    # the row's options, which name the result file (options given in the row win in _solve).
     blocks = nets.spec(row["net"]).blocks(model)
-    zoo_options = {"blocks": tuple(blocks)} if "blocks" in fields and "blocks" not in row["options"] else {}
-    plan = _solve(row, graph, static_bytes, zoo_options)
+    plan = _solve(row, graph, static_bytes, peers.zoo_options(row["strategy"], blocks))
     predicted = strategies.simulate(graph, plan, liveness=True)
     predicted_no_liveness = strategies.simulate(graph, plan, liveness=False)
     if plan.info.get("runner"):

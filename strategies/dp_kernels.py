@@ -110,19 +110,19 @@ def rows(words, n):
     """CSR of each row's members (ascending)."""
     count = words.shape[0]
     pointers = np.zeros(count + 1, dtype=np.int64)
-    indices = np.empty(count * n if count * n < 1 << 26 else 1 << 26, dtype=np.int64)
-    total = 0
     for s in range(count):
         for v in range(n):
             if words[s, v >> 6] >> np.uint64(v & 63) & ONE:
-                if total == indices.shape[0]:
-                    grown = np.empty(2 * total, dtype=np.int64)
-                    grown[:total] = indices
-                    indices = grown
-                indices[total] = v
-                total += 1
-        pointers[s + 1] = total
-    return pointers, indices[:total].copy()
+                pointers[s + 1] += 1
+    pointers = np.cumsum(pointers)
+    indices = np.empty(pointers[count], dtype=np.int64)
+    for s in range(count):
+        filled = pointers[s]
+        for v in range(n):
+            if words[s, v >> 6] >> np.uint64(v & 63) & ONE:
+                indices[filled] = v
+                filled += 1
+    return pointers, indices
 
 
 @njit(cache=True)

@@ -1,7 +1,6 @@
 """Exactness: under every plan, the loss, every gradient and the BatchNorm statistics equal plain PyTorch's."""
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -46,8 +45,7 @@ def quarter_plan(graph) -> Plan:
 def plans(graph, blocks):
     """Every strategy's plan at its default budget (peers get the net's blocks), and a recomputing one."""
     for name in strategies.available():
-        fields = {f.name for f in dataclasses.fields(strategies.module(name).Options)}
-        yield name, strategies.solve(name, graph, **({"blocks": tuple(blocks)} if "blocks" in fields else {}))
+        yield name, strategies.solve(name, graph, **peers.zoo_options(name, blocks))
     yield "four_stages", quarter_plan(graph)
 
 
