@@ -44,6 +44,9 @@ def default_loss(output) -> torch.Tensor:
 
 def execute(traced: Traced, plan: Plan, *inputs: torch.Tensor, loss_fn=None) -> torch.Tensor:
     """One training step of ``traced`` under ``plan``; returns the (detached) loss."""
+    if plan.schedule is not None:
+        raise ValueError(f"execute runs stage plans; {plan.strategy!r} carries a general (R, S) schedule, which "
+                         "may recompute a node several times out of the autograd engine's order")
     plan.validate(traced.graph)
     step = _Step(traced, plan)
     loss_fn = loss_fn or default_loss

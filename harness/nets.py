@@ -35,6 +35,9 @@ class NetSpec:
     # The natural blocks a careful PyTorch user wraps in torch.utils.checkpoint, as module paths
     # ("layer1.0") or slices of an nn.Sequential's children ("features[0:5]"), in execution order.
     blocks: Callable[[nn.Module], list[str]] = lambda model: []
+    # The net as a chain for checkpoint_sequential: module paths and functional steps (``FUNCTIONAL``) that,
+    # applied in turn, compute what ``forward`` does; empty where no chain exists (U-Net's long skips).
+    sequence: Callable[[nn.Module], list[str]] = lambda model: []
 
 
 def _torchvision(name: str, **kwargs) -> Callable[[], nn.Module]:
@@ -128,24 +131,59 @@ def _vgg_stages(model: nn.Module) -> list[str]:
     return [f"features[{a}:{b}]" for a, b in zip(cuts, cuts[1:])]
 
 
+def _children(parent: str = "", before: dict[str, str] | None = None) -> Callable[[nn.Module], list[str]]:
+    """The children of module ``parent`` in order, each preceded by its functional step in ``before``."""
+    def sequence(model: nn.Module) -> list[str]:
+        prefix = f"{parent}." if parent else ""
+        steps = []
+        for name, _ in (model.get_submodule(parent) if parent else model).named_children():
+            steps += [before[name]] if name in (before or {}) else []
+            steps.append(prefix + name)
+        return steps
+
+    return sequence
+
+
+def _resnet_sequence(model: nn.Module, prefix: str = "", stem=("conv1", "bn1", "relu", "maxpool")) -> list[str]:
+    layers = [f"{prefix}{layer}.{i}" for layer in ("layer1", "layer2", "layer3", "layer4")
+              for i in range(len(model.get_submodule(prefix + layer)))]
+    return [prefix + name for name in stem] + layers
+
+
+# Functional steps a sequence may hold besides module paths.
+FUNCTIONAL = {
+    "F.flatten": lambda x: torch.flatten(x, 1),
+    "F.relu": F.relu,
+    "F.global_avg_pool": lambda x: F.adaptive_avg_pool2d(x, (1, 1)),
+}
+
 NETS = {
     "pspnet": NetSpec(_pspnet, batch_size=2, image_size=712, paper_nodes=385, paper_vanilla_gb=9.4, loss="segmentation",
                       valid_side=lambda side: side >= 32 and side % 8 == 0, side_rule="a multiple of 8, at least 32",
-                      blocks=lambda model: [f"model.encoder.layer{i}" for i in range(1, 5)] + ["model.decoder.psp"]),
+                      blocks=lambda model: [f"model.encoder.layer{i}" for i in range(1, 5)] + ["model.decoder.psp"],
+                      sequence=lambda model: _resnet_sequence(model, "model.encoder.") + [
+                          "model.decoder.psp", "model.decoder.conv", "model.decoder.dropout", "model.segmentation_head"]),
     "unet": NetSpec(UNet, batch_size=8, image_size=572, paper_nodes=60, paper_vanilla_gb=9.1, loss="segmentation",
                     valid_side=_unet_side_ok, side_rule="one whose four poolings all see even sides (572, 188)",
                     blocks=lambda model: [f"down.{i}" for i in range(len(model.down))]
                     + [f"up_conv.{i}" for i in range(len(model.up_conv))]),
     "resnet50": NetSpec(_torchvision("resnet50"), batch_size=96, image_size=224, paper_nodes=176, paper_vanilla_gb=8.9,
-                        blocks=_instances("Bottleneck")),
+                        blocks=_instances("Bottleneck"),
+                        sequence=lambda model: _resnet_sequence(model) + ["avgpool", "F.flatten", "fc"]),
     "resnet152": NetSpec(_torchvision("resnet152"), batch_size=48, image_size=224, paper_nodes=516, paper_vanilla_gb=9.2,
-                         blocks=_instances("Bottleneck")),
+                         blocks=_instances("Bottleneck"),
+                         sequence=lambda model: _resnet_sequence(model) + ["avgpool", "F.flatten", "fc"]),
     "vgg19": NetSpec(_torchvision("vgg19"), batch_size=64, image_size=224, paper_nodes=46, paper_vanilla_gb=7.0,
-                     blocks=_vgg_stages),
+                     blocks=_vgg_stages,
+                     sequence=lambda model: _children("features")(model) + ["avgpool", "F.flatten"]
+                     + _children("classifier")(model)),
     "densenet161": NetSpec(_torchvision("densenet161"), batch_size=32, image_size=224, paper_nodes=568, paper_vanilla_gb=8.5,
-                           blocks=_instances("_DenseLayer", "_Transition")),
+                           blocks=_instances("_DenseLayer", "_Transition"),
+                           sequence=lambda model: _children("features")(model)
+                           + ["F.relu", "F.global_avg_pool", "F.flatten", "classifier"]),
     "googlenet": NetSpec(_torchvision("googlenet", aux_logits=False, init_weights=False), batch_size=256,
-                         image_size=224, paper_nodes=134, paper_vanilla_gb=8.5, blocks=_instances("Inception")),
+                         image_size=224, paper_nodes=134, paper_vanilla_gb=8.5, blocks=_instances("Inception"),
+                         sequence=_children(before={"dropout": "F.flatten"})),
 }
 
 
@@ -170,6 +208,12 @@ def build(name: str, batch_size: int | None = None, image_size: int | None = Non
     model.train()
     example_input = torch.randn(batch_size, 3, image_size, image_size, device=device)
     return model, example_input, LOSSES[net.loss]
+
+
+def structure(name: str, model: nn.Module) -> dict[str, list[str]]:
+    """What the zoo knows of net ``name``'s layout beyond its graph: its ``blocks`` and its ``sequence``."""
+    net = spec(name)
+    return {"blocks": net.blocks(model), "sequence": net.sequence(model)}
 
 
 def check_sizes(name: str, batch_size: int, image_size: int) -> None:

@@ -1,8 +1,10 @@
-"""PyTorch's own memory tools, run for real as peers of the strategies (``torch_checkpoint_blocks``).
+"""PyTorch's own memory tools, run for real as peers of the strategies (``torch_checkpoint_blocks``,
+``torch_checkpoint_sequential``).
 
 A peer's plan (``strategies/torch_*.py``) carries ``info["runner"]``; ``step(plan, ...)`` returns the
 training step that runs it: the model itself, with ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``
-installed around the blocks for the step's duration. Recomputation runs a block's forward a second time,
+installed around the blocks for the step's duration, or the zoo's sequence of the net's modules under
+``checkpoint_sequential``. Recomputation runs a block's forward a second time,
 which would update BatchNorm running statistics twice; ``batchnorm_once`` keeps them to one update per
 step (the harness's exactness promise), which plain PyTorch does not. (Its hooks see the layers a block
 calls; a block that is itself a BatchNorm layer would escape them. No zoo block is.)
@@ -17,16 +19,18 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import strategies
+from harness.nets import FUNCTIONAL
+from strategies.torch_checkpoint_sequential import segment_starts
 
 
-def zoo_options(strategy: str, blocks: list[str]) -> dict:
-    """The options a strategy that follows the net's own blocks (a peer) takes from the zoo: ``blocks``, if
-    its ``Options`` has that field; nothing otherwise."""
+def zoo_options(strategy: str, structure: dict[str, list[str]]) -> dict:
+    """The options a strategy that follows the net's own layout (a peer) takes from the zoo's ``structure``
+    (``nets.structure``: ``blocks``, ``sequence``): those its ``Options`` has a field for."""
     fields = {f.name for f in dataclasses.fields(strategies.module(strategy).Options)}
-    return {"blocks": tuple(blocks)} if "blocks" in fields else {}
+    return {key: tuple(value) for key, value in structure.items() if key in fields}
 
 
 @contextlib.contextmanager
@@ -105,14 +109,35 @@ def _run_with_slices(children: list[nn.Module], ranges: list[tuple[int, int]], x
     return _sequential_slice(children[position:], x)
 
 
-def step(plan, model: nn.Module, blocks: list[str], example_input: torch.Tensor, loss_fn):
+def sequential_functions(model: nn.Module, sequence: list[str], segments: int) -> list:
+    """The net as ``checkpoint_sequential``'s list of functions. An in-place ReLU that starts a segment
+    becomes out-of-place: it would overwrite the segment's input, which ``checkpoint`` keeps to recompute."""
+    functions = [FUNCTIONAL[path] if path in FUNCTIONAL else model.get_submodule(path) for path in sequence]
+    for start in segment_starts(len(functions), segments):
+        if isinstance(functions[start], nn.ReLU) and functions[start].inplace:
+            functions[start] = nn.ReLU()
+    return functions
+
+
+def step(plan, model: nn.Module, structure: dict[str, list[str]], example_input: torch.Tensor, loss_fn):
     """The training step (forward, loss, backward) that runs the peer ``plan``; returns the loss."""
-    if plan.info.get("runner") != "torch_checkpoint":
-        raise ValueError(f"no peer runner for plan {plan.strategy!r} (runner {plan.info.get('runner')!r})")
+    runner = plan.info.get("runner")
+    if runner == "torch_checkpoint":
+        def forward():
+            with checkpointed(model, structure["blocks"]):
+                return model(example_input)
+    elif runner == "torch_checkpoint_sequential":
+        segments = int(plan.info["segments"])
+        functions = sequential_functions(model, structure["sequence"], segments)
+
+        def forward():
+            return checkpoint_sequential(functions, segments, example_input, use_reentrant=False)
+    else:
+        raise ValueError(f"no peer runner for plan {plan.strategy!r} (runner {runner!r})")
 
     def run():
-        with checkpointed(model, blocks), batchnorm_once(model):
-            loss = loss_fn(model(example_input))
+        with batchnorm_once(model):
+            loss = loss_fn(forward())
             loss.backward()
         return loss.detach()
 

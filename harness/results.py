@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 SCHEMA_VERSION = 1
-STATUSES = ("ok", "oom", "infeasible", "error")
+STATUSES = ("ok", "oom", "infeasible", "timeout", "error")
 
 
 def cell_name(row: dict) -> str:

@@ -49,7 +49,7 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
     nets.check_sizes(net, row["batch_size"], row["image_size"])
     if resume and results_dir is not None and (Path(results_dir) / cell_name(row)).exists():
         done = read_row(Path(results_dir) / cell_name(row))
-        if done.get("status") in ("ok", "oom", "infeasible"):
+        if done.get("status") in ("ok", "oom", "infeasible", "timeout"):
             log.info("%s: already measured (%s), skipped", cell_name(row), done["status"])
             return done
     start = time.perf_counter()
@@ -58,6 +58,10 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
         row["status"] = "ok"
     except strategies.InfeasibleBudget as error:
         row.update(status="infeasible", error=str(error), min_feasible_bytes=error.min_feasible_bytes)
+    except strategies.Inapplicable as error:
+        row.update(status="infeasible", error=str(error))
+    except strategies.SolverTimeout as error:
+        row.update(status="timeout", error=str(error))
     except torch.cuda.OutOfMemoryError as error:
         row.update(status="oom", error=str(error).splitlines()[0])
     except Exception as error:  # recorded as an error row, so that a sweep goes on
@@ -76,24 +80,26 @@ def _measure_cell(row: dict) -> dict:
     graph = traced.graph
     static_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     static_bytes += example_input.numel() * example_input.element_size()
-    # A strategy that follows the net's own blocks (a PyTorch peer) gets the zoo's list; it stays out of
-    # the row's options, which name the result file (options given in the row win in _solve).
-    blocks = nets.spec(row["net"]).blocks(model)
-    plan = _solve(row, graph, static_bytes, peers.zoo_options(row["strategy"], blocks))
+    # A strategy that follows the net's own layout (a PyTorch peer) gets the zoo's blocks or sequence; they
+    # stay out of the row's options, which name the result file (options given in the row win in _solve).
+    structure = nets.structure(row["net"], model)
+    plan = _solve(row, graph, static_bytes, peers.zoo_options(row["strategy"], structure))
     predicted = strategies.simulate(graph, plan, liveness=True)
     predicted_no_liveness = strategies.simulate(graph, plan, liveness=False)
-    if plan.info.get("runner"):
-        step = peers.step(plan, model, blocks, example_input, loss_fn)
+    if plan.schedule is not None:
+        # A Checkmate schedule may recompute a node several times, out of the autograd engine's order: the
+        # executor cannot run it, so the row holds the prediction only and says so.
+        measured = {**dict.fromkeys(_MEASURED),
+                    "method": "not run: the executor runs stage plans, not general (R, S) schedules"}
     else:
-        step = lambda: execute(traced, plan, example_input, loss_fn=loss_fn)  # noqa: E731
-    measured = measure(step, model, (example_input,), row["device"], row["warmup_steps"], row["timed_steps"])
+        if plan.info.get("runner"):
+            step = peers.step(plan, model, structure, example_input, loss_fn)
+        else:
+            step = lambda: execute(traced, plan, example_input, loss_fn=loss_fn)  # noqa: E731
+        measured = _measured(measure(step, model, (example_input,), row["device"], row["warmup_steps"],
+                                     row["timed_steps"]))
     return {
-        "method": measured.method, "device_name": measured.device_name,
-        "measured_peak_bytes": measured.peak_bytes, "tracker_peak_bytes": measured.tracker_peak_bytes,
-        "measured_params_bytes": measured.params_bytes, "measured_grads_bytes": measured.grads_bytes,
-        "measured_activations_bytes": measured.activations_bytes, "reserved_bytes": measured.reserved_bytes,
-        "nvml_used_bytes": measured.nvml_used_bytes, "step_time_ms": measured.step_time_ms,
-        "step_time_iqr_ms": measured.step_time_iqr_ms,
+        **measured,
         "predicted_peak_bytes": predicted.peak_bytes + static_bytes,
         "predicted_peak_no_liveness_bytes": predicted_no_liveness.peak_bytes + static_bytes,
         "predicted_overhead_cost": predicted.overhead_cost, "total_cost": sum(graph.cost),
@@ -101,6 +107,18 @@ def _measure_cell(row: dict) -> dict:
         "stage_count": len(plan.stages), "recomputed_node_count": bin(plan.recomputed).count("1"),
         "solve_time_s": plan.solve_time_s, **{f"plan_{key}": value for key, value in plan.info.items()},
     }
+
+
+# Row field -> Measurement attribute.
+_MEASURED = {"method": "method", "device_name": "device_name", "measured_peak_bytes": "peak_bytes",
+             "tracker_peak_bytes": "tracker_peak_bytes", "measured_params_bytes": "params_bytes",
+             "measured_grads_bytes": "grads_bytes", "measured_activations_bytes": "activations_bytes",
+             "reserved_bytes": "reserved_bytes", "nvml_used_bytes": "nvml_used_bytes",
+             "step_time_ms": "step_time_ms", "step_time_iqr_ms": "step_time_iqr_ms"}
+
+
+def _measured(measured) -> dict:
+    return {field: getattr(measured, attribute) for field, attribute in _MEASURED.items()}
 
 
 def _solve(row: dict, graph, static_bytes: int, zoo_options: dict):
@@ -144,13 +162,18 @@ def summary(row: dict) -> str:
             f"device {row['device']} -> {row['status']}")
     if row["status"] != "ok":
         return f"{head}\n  {row.get('error', '')}"
+    if row.get("measured_peak_bytes") is None:
+        measured_part = f"  measured: {row['method']}"
+    else:
+        measured_part = (
+            f"  measured peak {_gb(row['measured_peak_bytes'])} ({row['method']}): params "
+            f"{_gb(row['measured_params_bytes'])}, grads {_gb(row['measured_grads_bytes'])}, activations "
+            f"{_gb(row['measured_activations_bytes'])}")
     time_part = (f"; step {row['step_time_ms']:.1f} ms (IQR {row['step_time_iqr_ms']:.1f})"
                  if row.get("step_time_ms") is not None else "")
     return "\n".join([
         head,
-        f"  measured peak {_gb(row['measured_peak_bytes'])} ({row['method']}): params "
-        f"{_gb(row['measured_params_bytes'])}, grads {_gb(row['measured_grads_bytes'])}, activations "
-        f"{_gb(row['measured_activations_bytes'])}{time_part}",
+        measured_part + time_part,
         f"  predicted peak {_gb(row['predicted_peak_bytes'])} (without liveness "
         f"{_gb(row['predicted_peak_no_liveness_bytes'])}); overhead {row['predicted_overhead_cost']:g} of "
         f"{row['total_cost']:g} cost units; {row['stage_count']} stage(s), {row['recomputed_node_count']} recomputed",

@@ -18,7 +18,7 @@ import time
 from types import ModuleType
 
 from strategies.graph import Graph, bits, members
-from strategies.plan import Action, InfeasibleBudget, Plan
+from strategies.plan import Action, Inapplicable, InfeasibleBudget, Plan, SolverTimeout
 from strategies.simulate import Prediction, simulate
 
 # name -> module; imported on first use so that a strategy's optional dependencies stay optional.
@@ -30,10 +30,12 @@ _MODULES = {
     "chen_sqrt": "strategies.chen_sqrt",
     "chen_greedy": "strategies.chen_greedy",
     "torch_checkpoint_blocks": "strategies.torch_checkpoint_blocks",
+    "torch_checkpoint_sequential": "strategies.torch_checkpoint_sequential",
+    "ilp_optimal": "strategies.ilp_optimal",
 }
 
-__all__ = ["Action", "Graph", "InfeasibleBudget", "Plan", "Prediction", "available", "bits", "members",
-           "module", "simulate", "solve"]
+__all__ = ["Action", "Graph", "Inapplicable", "InfeasibleBudget", "Plan", "Prediction", "SolverTimeout",
+           "available", "bits", "members", "module", "simulate", "solve"]
 
 
 def available() -> list[str]:

@@ -17,6 +17,15 @@ class Action(str, Enum):
     SWAP = "swap"
 
 
+class Inapplicable(ValueError):
+    """The strategy does not apply to this graph at all (the message says why); a result row records it as
+    ``infeasible``, as it does a budget no plan fits."""
+
+
+class SolverTimeout(RuntimeError):
+    """A solver's time limit ran out before it found any plan; a result row records it as ``timeout``."""
+
+
 class InfeasibleBudget(ValueError):
     """No plan of this strategy fits ``budget_bytes``; ``min_feasible_bytes`` is the least that does, if known."""
 
@@ -47,6 +56,7 @@ class Plan:
     budget_bytes: int | None = None
     solve_time_s: float = 0.0
     info: dict[str, float] = field(default_factory=dict)
+    schedule: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @classmethod
     def from_stages(cls, graph: Graph, stages: Iterable[Iterable[int] | int], *, strategy: str = "manual",

@@ -24,7 +24,8 @@ PyTorch's reference-counted autograd does):
   its saved extras and every value no later backward reads. A stage none of whose discarded values is
   read by a backward is not recomputed at all; ``overhead_cost`` still follows equation (1), which charges
   every discarded value, so it is an upper bound on what the executor recomputes.
-Both return the same ``Prediction``; ``timeline`` exposes the event list so that other analyses (the
+A plan with a general ``schedule`` (R, S) has one model, Checkmate's (``strategies/schedule.py``), whatever
+``liveness`` says. Both return the same ``Prediction``; ``timeline`` exposes the event list so that other analyses (the
 static memory plan of ``liveness_only``) read the very schedule the peak came from.
 """
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from strategies import schedule
 from strategies.graph import Graph, members
 from strategies.plan import InfeasibleBudget, Plan
 
@@ -55,6 +57,11 @@ class Step:
 
 def simulate(graph: Graph, plan: Plan, liveness: bool = True) -> Prediction:
     """Predict ``plan``'s peak bytes and its overhead in cost units (seed 004, equations (1) and (2))."""
+    if plan.schedule is not None:
+        training = schedule.training_graph(graph)
+        computed, held = plan.schedule
+        return Prediction(peak_bytes=schedule.peak(training, computed, held) + sum(graph.param_bytes),
+                          overhead_cost=schedule.cost(training, computed), liveness=liveness)
     overhead = graph.time(plan.recomputed)  # Eq. (1): everything not kept is computed twice
     if liveness:
         peak = peak_of(timeline(graph, plan))

@@ -51,3 +51,40 @@ def test_plain_checkpoint_would_update_batchnorm_twice():
     assert torch.equal(once[0][1].running_mean, again[0][1].running_mean)
     assert torch.equal(once[0][1].running_var, again[0][1].running_var)
     assert again[0][1].num_batches_tracked == 1
+
+
+def test_sequential_plan_splits_as_pytorch_does():
+    model, x, _ = nets.build("resnet50", 2, 64)
+    graph = trace(model, x).graph
+    sequence = tuple(nets.structure("resnet50", model)["sequence"])
+    assert len(sequence) == 4 + 16 + 3  # stem, bottlenecks, pool/flatten/fc
+    plan = strategies.solve("torch_checkpoint_sequential", graph, sequence=sequence)
+    assert plan.info["segments"] == round(len(sequence) ** 0.5) == len(plan.stages)
+    last = plan.stages[-1]
+    assert plan.kept & last == last, "the last segment runs outside checkpoint and keeps its values"
+    assert plan.recomputed, "the checkpointed segments are recomputed"
+    fewer = strategies.solve("torch_checkpoint_sequential", graph, sequence=sequence, segments=2)
+    assert len(fewer.stages) == 2
+    with pytest.raises(ValueError, match="segments must be between 1 and the 23 steps"):
+        strategies.solve("torch_checkpoint_sequential", graph, sequence=sequence, segments=24)
+
+
+def test_unet_has_no_sequence_and_the_row_says_why(tmp_path):
+    from harness.run import run_cell
+
+    row = run_cell("unet", "torch_checkpoint_sequential", batch_size=1, image_size=188, results_dir=tmp_path)
+    assert row["status"] == "infeasible"
+    assert "no sequential view" in row["error"]
+
+
+def test_segment_start_relus_run_out_of_place():
+    model, _, _ = nets.build("vgg19", 1, 32)
+    sequence = nets.structure("vgg19", model)["sequence"]
+    segments = round(len(sequence) ** 0.5)
+    functions = peers.sequential_functions(model, sequence, segments)
+    starts = set(range(0, len(sequence) - len(sequence) % segments, len(sequence) // segments))
+    relus = [i for i, f in enumerate(functions) if isinstance(f, nn.ReLU)]
+    assert any(i in starts for i in relus), "vgg19's split should start a segment with a ReLU"
+    for i in relus:
+        assert functions[i].inplace == (i not in starts), i
+    assert all(m.inplace for m in model.modules() if isinstance(m, nn.ReLU)), "the model itself is untouched"

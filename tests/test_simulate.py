@@ -113,7 +113,7 @@ def test_every_strategy_has_one_config_and_the_contract():
 @pytest.mark.parametrize("name", strategies.available())
 def test_every_strategy_is_deterministic_and_within_budget(name):
     g = diamond()
-    peer = peers.zoo_options(name, ["no-such-block"])  # a toy graph has no modules
+    peer = peers.zoo_options(name, {"blocks": ["no-such-block"], "sequence": ["no-such-step"]})  # no modules
     first, second = solve(name, g, **peer), solve(name, g, **peer)
     assert (first.stages, first.kept) == (second.stages, second.kept)
     peak = simulate(g, first, liveness=strategies.module(name).BUDGET_LIVENESS).peak_bytes

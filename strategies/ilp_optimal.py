@@ -1,0 +1,182 @@
+"""``ilp_optimal``: the optimal rematerialization schedule under a budget, Checkmate's MILP (Jain et al.
+2020; ``../shared/spec/chen_checkmate.md`` section 2.8), solved with HiGHS (``highspy``, the ``ilp`` extra).
+
+Variables over the training graph of ``strategies/schedule.py`` (T = 2n nodes, T frontier-advancing
+stages): binaries R[t,i] (stage t computes i), S[t,i] (i is held on entry to t), FREE[t,i,k] (i is freed
+after k in stage t); continuous U[t,k] (memory after computing k in stage t), at most the budget.
+Minimise the cost of every computation. Constraints: R[t,t] = 1; S[t+1,i] <= S[t,i] + R[t,i]; an input
+of k computed in t is computed before it in t or held; the U recurrence; FREE linearised as Checkmate does.
+
+Its space holds every stage plan (``schedule.from_plan``): the ILP's overhead is at most that of any
+strategy whose schedule fits the same budget by the same accounting, ``exact_dp``'s included, so it is
+the floor to measure the others against where HiGHS proves optimality. The solver starts from
+``approx_dp``'s schedule when that fits. ``budget_bytes=None`` is the budget ``approx_dp``'s minimal-memory
+plan needs by this accounting. A time limit returns the best schedule found with status ``timeout`` and
+the gap; no schedule at all raises ``SolverTimeout``. Schedules may recompute a node several times: the
+simulator predicts them, the executor does not run them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from strategies import schedule
+from strategies.graph import Graph
+from strategies.plan import Inapplicable, InfeasibleBudget, Plan, SolverTimeout
+
+BUDGET_LIVENESS = False  # unused: a schedule has one memory model (strategies/schedule.py)
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """Options of ``ilp_optimal``."""
+
+    time_limit_s: float = 60.0
+    warm_start: bool = True  # start from approx_dp's schedule where it fits the budget
+    max_stages: int = 400  # T = 2n above which the model (about T^2 binaries) is not built; say so instead
+
+
+class _Model:
+    """Column and row builder for HiGHS's sparse interface."""
+
+    def __init__(self):
+        self.lower, self.upper, self.cost, self.integer = [], [], [], []
+        self.row_lower, self.row_upper, self.starts, self.indices, self.values = [], [], [], [], []
+
+    def column(self, lower, upper, cost=0.0, integer=True) -> int:
+        self.lower.append(lower)
+        self.upper.append(upper)
+        self.cost.append(cost)
+        self.integer.append(integer)
+        return len(self.lower) - 1
+
+    def row(self, lower, upper, terms) -> None:
+        self.row_lower.append(lower)
+        self.row_upper.append(upper)
+        self.starts.append(len(self.indices))
+        for col, value in terms:
+            self.indices.append(col)
+            self.values.append(value)
+
+
+def build(tg: schedule.TrainingGraph, budget_bytes: int, unit: float):
+    """The MILP, memory counted in ``unit`` bytes; returns (model, R, S, U, FREE): their columns."""
+    size = len(tg.mem)
+    mem = [b / unit for b in tg.mem]
+    budget = budget_bytes / unit
+    m = _Model()
+    R = {(t, i): m.column(1.0 if i == t else 0.0, 1.0, tg.cost[i]) for t in range(size) for i in range(t + 1)}
+    S = {(t, i): m.column(0.0, 1.0) for t in range(1, size) for i in range(t)}
+    U = {(t, k): m.column(0.0, budget, integer=False) for t in range(size) for k in range(t + 1)}
+    FREE = {(t, i, k): m.column(0.0, 1.0) for t in range(size) for k in range(t + 1) for i in tg.deps[k]}
+    for t in range(size - 1):
+        for i in range(t + 1):  # keep only what was held or computed
+            m.row(-np.inf, 0.0, [(S[t + 1, i], 1.0), (R[t, i], -1.0)] + ([(S[t, i], -1.0)] if i < t else []))
+    for t in range(size):
+        for k in range(t + 1):
+            for i in tg.deps[k]:  # an input is computed earlier in the stage or held
+                m.row(-np.inf, 0.0, [(R[t, k], 1.0), (R[t, i], -1.0), (S[t, i], -1.0)])
+        m.row(0.0, 0.0, [(U[t, 0], 1.0), (R[t, 0], -mem[0])] + [(S[t, i], -mem[i]) for i in range(t)])
+        for k in range(1, t + 1):
+            m.row(0.0, 0.0, [(U[t, k], 1.0), (U[t, k - 1], -1.0), (R[t, k], -mem[k])]
+                  + [(FREE[t, i, k - 1], mem[i]) for i in tg.deps[k - 1]])
+        for k in range(t + 1):
+            for i in tg.deps[k]:
+                # FREE = R[t,k] (1 - S[t+1,i]) prod_j (1 - R[t,j]) over later readers j of i in stage t
+                hazards = [(R[t, j], 1.0) for j in tg.users[i] if k < j <= t]
+                hazards += [(S[t + 1, i], 1.0)] if t + 1 < size else []
+                kappa = 1 + len(hazards)
+                m.row(0.0, np.inf, [(FREE[t, i, k], 1.0), (R[t, k], -1.0)] + hazards)  # no hazard: free
+                m.row(-np.inf, kappa - 1, [(FREE[t, i, k], kappa), (R[t, k], -1.0)] + hazards)  # hazard: keep
+    return m, R, S, U, FREE
+
+
+def warm_values(tg, computed, held, R, S, U, FREE, unit) -> dict[int, float]:
+    """The MILP's columns for schedule (R, S)."""
+    size = len(tg.mem)
+    values = {}
+    for t in range(size):
+        held_next = held[t + 1] if t + 1 < size else 0
+        for i in range(t + 1):
+            values[R[t, i]] = float(computed[t] >> i & 1)
+            if i < t:
+                values[S[t, i]] = float(held[t] >> i & 1)
+        live = sum(tg.mem[i] for i in range(t) if held[t] >> i & 1)
+        for k in range(t + 1):
+            if computed[t] >> k & 1:
+                live += tg.mem[k]
+            values[U[t, k]] = live / unit
+            freed = schedule.frees(tg, computed[t], held_next, k) if computed[t] >> k & 1 else []
+            for i in tg.deps[k]:
+                values[FREE[t, i, k]] = float(i in freed)
+            live -= sum(tg.mem[i] for i in freed)
+    return values
+
+
+def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = None) -> Plan:
+    import highspy  # the optional "ilp" extra
+
+    from strategies import approx_dp
+
+    options = options or Options()
+    if options.time_limit_s <= 0:
+        raise ValueError(f"ilp_optimal: time_limit_s must be positive, got {options.time_limit_s}")
+    tg = schedule.training_graph(graph)
+    size = len(tg.mem)
+    if size > options.max_stages:
+        raise Inapplicable(f"ilp_optimal: the training graph has {size} stages, more than max_stages="
+                           f"{options.max_stages} (about {size * size} binaries); raise max_stages to build it")
+    params = sum(graph.param_bytes)
+    start = None
+    try:
+        start = schedule.from_plan(graph, approx_dp.solve(graph, None if budget_bytes is None
+                                                          else max(budget_bytes, 1)))
+    except InfeasibleBudget:
+        pass
+    if budget_bytes is None:
+        if start is None:
+            start = schedule.from_plan(graph, approx_dp.solve(graph, None))
+        budget_bytes = schedule.peak(tg, *start) + params
+    if start is not None and schedule.peak(tg, *start) + params > budget_bytes:
+        start = None
+    budget = budget_bytes - params
+    if budget <= 0:
+        raise InfeasibleBudget(budget_bytes, None, "ilp_optimal")
+    unit = max(tg.mem)  # memory in units of the largest value: coefficients near 1 for the solver
+    m, R, S, U, FREE = build(tg, budget, unit)
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(options.time_limit_s))
+    h.setOptionValue("threads", 1)
+    count = len(m.lower)
+    h.addCols(count, np.array(m.cost), np.array(m.lower, dtype=float), np.array(m.upper, dtype=float), 0,
+              np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
+    h.addRows(len(m.row_lower), np.array(m.row_lower, dtype=float), np.array(m.row_upper, dtype=float),
+              len(m.indices), np.array(m.starts, np.int32), np.array(m.indices, np.int32), np.array(m.values))
+    integer = [c for c in range(count) if m.integer[c]]
+    h.changeColsIntegrality(len(integer), np.array(integer, np.int32),
+                            np.full(len(integer), highspy.HighsVarType.kInteger, np.uint8))
+    if start is not None and options.warm_start:
+        values = warm_values(tg, *start, R, S, U, FREE, unit)
+        h.setSolution(len(values), np.array(list(values), np.int32), np.array(list(values.values())))
+    began = time.perf_counter()
+    h.run()
+    seconds = time.perf_counter() - began
+    status = h.getModelStatus()
+    if status == highspy.HighsModelStatus.kInfeasible:
+        raise InfeasibleBudget(budget_bytes, None, "ilp_optimal")
+    solution = np.array(h.getSolution().col_value)
+    if status != highspy.HighsModelStatus.kOptimal and (not len(solution) or not h.getInfo().primal_solution_status):
+        raise SolverTimeout(f"ilp_optimal: HiGHS found no schedule within {options.time_limit_s} s "
+                            f"({h.modelStatusToString(status)})")
+    computed = tuple(sum(1 << i for i in range(t + 1) if solution[R[t, i]] > 0.5) for t in range(size))
+    held = schedule.hold_until_last_use(tg, computed)  # the least S for this R: never more memory
+    info = {"ilp_status": "optimal" if status == highspy.HighsModelStatus.kOptimal else "timeout",
+            "ilp_gap": float(h.getInfo().mip_gap), "ilp_seconds": seconds, "ilp_columns": count,
+            "ilp_rows": len(m.row_lower), "ilp_bound": float(h.getInfo().mip_dual_bound) - sum(tg.cost),
+            "warm_start_overhead": schedule.cost(tg, start[0]) if start is not None else float("nan")}
+    return schedule.to_plan(graph, computed, held, strategy="ilp_optimal", budget_bytes=budget_bytes, info=info)
+

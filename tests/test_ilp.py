@@ -1,0 +1,85 @@
+"""Checkmate's MILP (``ilp_optimal``) against the stage plans it contains, and its solver statuses."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import strategies
+from strategies import Graph, InfeasibleBudget, Plan, SolverTimeout, bits, schedule, simulate, solve
+from test_dp import every_chain, small_dags
+
+pytest.importorskip("highspy")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_dags(max_nodes=6))
+def test_ilp_is_never_worse_than_exact_dp_at_the_same_budget(graph):
+    training = schedule.training_graph(graph)
+    for budget in sorted({peak for peak, _ in every_chain(graph)}):
+        exact = solve("exact_dp", graph, budget)
+        computed, held = schedule.from_plan(graph, exact)
+        schedule.validate(training, computed, held)
+        assert schedule.cost(training, computed) <= simulate(graph, exact).overhead_cost  # Eq. (1) bounds it
+        # The same budget, counted for both by the schedule accounting: exact_dp's schedule fits it.
+        same = schedule.peak(training, computed, held) + sum(graph.param_bytes)
+        ilp = solve("ilp_optimal", graph, same, time_limit_s=30)
+        assert ilp.info["ilp_status"] == "optimal"
+        predicted = simulate(graph, ilp)
+        assert predicted.peak_bytes <= same
+        assert 0 <= predicted.overhead_cost <= schedule.cost(training, computed)
+
+
+def wide_graph(n=14):
+    """A chain with skips: large enough that HiGHS cannot finish in a millisecond."""
+    edges = [(v - 1, v) for v in range(1, n)] + [(v - 3, v) for v in range(3, n, 2)]
+    return Graph(mem_bytes=[10 + (7 * v) % 13 for v in range(n)], cost=[1 + v % 3 for v in range(n)], edges=edges)
+
+
+def test_a_time_limit_returns_the_warm_start_with_status_timeout():
+    graph = wide_graph()
+    plan = solve("ilp_optimal", graph, time_limit_s=1e-3)
+    assert plan.info["ilp_status"] == "timeout"
+    assert plan.info["ilp_gap"] > 0
+    assert simulate(graph, plan).overhead_cost <= plan.info["warm_start_overhead"]
+    with pytest.raises(SolverTimeout, match="found no schedule"):
+        solve("ilp_optimal", graph, time_limit_s=1e-3, warm_start=False)
+
+
+def test_budget_none_is_approx_dp_s_minimal_schedule_and_the_ilp_beats_or_ties_it():
+    graph = wide_graph(8)
+    plan = solve("ilp_optimal", graph)
+    start = schedule.from_plan(graph, solve("approx_dp", graph))
+    training = schedule.training_graph(graph)
+    assert plan.budget_bytes == schedule.peak(training, *start) + sum(graph.param_bytes)
+    assert plan.info["ilp_status"] == "optimal"
+    assert simulate(graph, plan).overhead_cost <= schedule.cost(training, start[0])
+
+
+def test_a_schedule_may_compute_a_node_three_times():
+    # A stage plan computes a node at most twice (forward, one recomputation); at this budget the optimum
+    # recomputes the first, cheap-to-hold but costly node for two separate backwards (found by search).
+    graph = Graph(mem_bytes=[2, 50, 2, 1, 50], cost=[10, 1, 1, 10, 1],
+                  edges=[(0, 1), (1, 2), (2, 3), (3, 4), (0, 3), (1, 4), (2, 4)])
+    plan = solve("ilp_optimal", graph, 157)
+    computed, _ = plan.schedule
+    assert max(sum(row >> v & 1 for row in computed) for v in range(len(graph))) >= 3
+    assert simulate(graph, plan).peak_bytes <= 157
+
+
+def test_bad_input():
+    graph = wide_graph(6)
+    with pytest.raises(ValueError, match="time_limit_s must be positive"):
+        solve("ilp_optimal", graph, time_limit_s=0)
+    with pytest.raises(strategies.Inapplicable, match="raise max_stages"):
+        solve("ilp_optimal", graph, max_stages=4)
+    with pytest.raises(InfeasibleBudget):
+        solve("ilp_optimal", graph, 5)
+
+
+def test_the_row_says_the_schedule_was_predicted_not_run(tmp_path):
+    from harness.run import run_cell
+
+    row = run_cell("vgg19", "ilp_optimal", batch_size=1, image_size=32, results_dir=tmp_path)
+    assert row["status"] == "ok", row.get("error")
+    assert row["measured_peak_bytes"] is None and row["method"].startswith("not run")
+    assert row["plan_ilp_status"] == "optimal"
+    assert row["predicted_peak_bytes"] > row["static_bytes"] and row["predicted_overhead_cost"] >= 0
