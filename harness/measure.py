@@ -67,7 +67,7 @@ class MemoryTracker(TorchDispatchMode):
             self._add(t.untyped_storage(), "activations")
         for p in model.parameters():
             if p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._mark_grad))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self.mark_grad))
 
     def _add(self, storage: torch.UntypedStorage, part: str):
         key = id(storage)
@@ -86,7 +86,8 @@ class MemoryTracker(TorchDispatchMode):
         size, part = self.live.pop(key)
         self.current[part] -= size
 
-    def _mark_grad(self, param: torch.Tensor):
+    def mark_grad(self, param: torch.Tensor):
+        """Count ``param.grad`` as a gradient (a hook calls it; so does code that sets ``.grad`` itself)."""
         storage = param.grad.untyped_storage()
         entry = self.live.get(id(storage))
         if entry is None:

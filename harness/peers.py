@@ -1,13 +1,21 @@
 """PyTorch's own memory tools, run for real as peers of the strategies (``torch_checkpoint_blocks``,
-``torch_checkpoint_sequential``).
+``torch_checkpoint_sequential``, ``torch_compile_budget``).
 
 A peer's plan (``strategies/torch_*.py``) carries ``info["runner"]``; ``step(plan, ...)`` returns the
 training step that runs it: the model itself, with ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``
 installed around the blocks for the step's duration, or the zoo's sequence of the net's modules under
 ``checkpoint_sequential``. Recomputation runs a block's forward a second time,
 which would update BatchNorm running statistics twice; ``batchnorm_once`` keeps them to one update per
-step (the harness's exactness promise), which plain PyTorch does not. (Its hooks see the layers a block
-calls; a block that is itself a BatchNorm layer would escape them. No zoo block is.)
+step (the harness's exactness promise), which plain PyTorch does not.
+
+NOTE [measuring torch.compile]
+The tracker is a dispatch mode, and torch.compile runs a frame eagerly while a dispatch mode is active,
+so on ``meta`` the compiled program is replayed instead: AOTAutograd (``aot_module``, the partitioner and
+decompositions ``torch.compile`` uses, inductor's table) compiles the model once, its forward and
+backward graphs are kept, and each step runs them op by op under ``no_grad`` (the tracker sees every op),
+the loss and its gradient eagerly between them. That compile, on meta, is ``compile_time_s``. On ``cpu``
+and ``cuda`` the step is the real ``torch.compile`` (``aot_eager_decomp_partition`` on cpu, inductor on
+cuda); the cuda allocator measures it, while on cpu nothing can, so ``check_measurable`` refuses a cpu row.
 """
 
 from __future__ import annotations
@@ -15,13 +23,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import time
 from functools import partial
 
 import torch
+import torch.fx as fx
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import strategies
+from harness.measure import MemoryTracker
 from harness.nets import FUNCTIONAL
 from strategies.torch_checkpoint_sequential import segment_starts
 
@@ -36,28 +48,29 @@ def zoo_options(strategy: str, structure: dict[str, list[str]]) -> dict:
 @contextlib.contextmanager
 def batchnorm_once(model: nn.Module):
     """Within the context, a BatchNorm layer's second and later calls (recomputation) leave its running
-    statistics as the first call left them."""
+    statistics as the first call left them: they are saved before the second call and put back when the
+    context closes. (Not in a forward hook: non-reentrant checkpoint stops a recomputation as soon as it
+    has what backward needs, sometimes inside the layer, before its hooks.)"""
     seen: set[int] = set()
-    saved: dict[int, list[torch.Tensor]] = {}
+    saved: dict[int, tuple[nn.Module, list[torch.Tensor]]] = {}
 
     def before(module, args):
-        if id(module) in seen:
-            saved[id(module)] = [b.clone() for b in module.buffers()]
-        seen.add(id(module))
+        if id(module) not in seen:
+            seen.add(id(module))
+        elif id(module) not in saved:
+            saved[id(module)] = (module, [b.clone() for b in module.buffers()])
 
-    def after(module, args, output):
-        for buffer, value in zip(module.buffers(), saved.pop(id(module), [])):
-            buffer.copy_(value)
-
-    handles = []
-    for module in model.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+    handles = [module.register_forward_pre_hook(before) for module in model.modules()
+               if isinstance(module, nn.modules.batchnorm._BatchNorm)]
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+        with torch.no_grad():
+            for module, values in saved.values():
+                for buffer, value in zip(module.buffers(), values):
+                    buffer.copy_(value)
 
 
 def _sequential_slice(children: list[nn.Module], x):
@@ -119,9 +132,98 @@ def sequential_functions(model: nn.Module, sequence: list[str], segments: int) -
     return functions
 
 
+def compiled_step(model: nn.Module, example_input: torch.Tensor, loss_fn, budget_ratio: float):
+    """The step under ``torch.compile`` with ``activation_memory_budget`` (NOTE [measuring torch.compile]);
+    the returned function has ``compile_time_s`` (on meta, set here; elsewhere, after its first call)."""
+    import torch._functorch.config as functorch_config
+
+    budget = functorch_config.patch(activation_memory_budget=budget_ratio)
+    if example_input.device.type == "meta":
+        return _replayed_step(model, example_input, loss_fn, budget)
+    backend = "inductor" if example_input.device.type == "cuda" else "aot_eager_decomp_partition"
+    compiled = torch.compile(model, backend=backend)
+
+    def run():
+        start = time.perf_counter()
+        with budget:
+            loss = loss_fn(compiled(example_input))
+            loss.backward()
+        if run.compile_time_s is None:
+            run.compile_time_s = time.perf_counter() - start
+        return loss.detach()
+
+    run.compile_time_s = None
+    return run
+
+
+def _replayed_step(model, example_input, loss_fn, budget):
+    from functorch.compile import aot_module
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.compile_fx import select_decomp_table
+
+    graphs, arguments = {}, []
+
+    def keep(kind):
+        def compiler(graph_module, example_inputs):
+            graphs[kind] = graph_module
+
+            def call(args):
+                if kind == "forward" and not arguments:
+                    arguments.extend(args)  # parameters, buffers, input: the order the graph takes them
+                return graph_module(*args)
+
+            call._boxed_call = True  # AOTAutograd passes the arguments as one list
+            return call
+        return compiler
+
+    start = time.perf_counter()
+    with budget:
+        compiled = aot_module(model, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                              partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
+        loss_fn(compiled(example_input)).backward()
+    compile_time_s = time.perf_counter() - start
+    for p in model.parameters():
+        p.grad = None
+    placeholders = [n.name for n in graphs["backward"].graph.find_nodes(op="placeholder")]
+    saved_count = sum(1 for name in placeholders if not name.startswith("tangents"))
+
+    def run():
+        with torch.no_grad():
+            outputs = fx.Interpreter(graphs["forward"]).run(*arguments)
+        saved = list(outputs[len(outputs) - saved_count:])
+        output = outputs[len(outputs) - saved_count - 1].detach().requires_grad_()
+        del outputs
+        loss = loss_fn(output)
+        (output_grad,) = torch.autograd.grad(loss, output)
+        del output
+        with torch.no_grad():
+            grads = fx.Interpreter(graphs["backward"]).run(*saved, output_grad)
+        del saved, output_grad
+        tracker = _get_current_dispatch_mode()
+        for argument, grad in zip(arguments, grads):
+            if isinstance(argument, nn.Parameter) and grad is not None:
+                argument.grad = grad
+                if isinstance(tracker, MemoryTracker):
+                    tracker.mark_grad(argument)
+        return loss.detach()
+
+    run.compile_time_s = compile_time_s
+    return run
+
+
+def check_measurable(plan, device: str) -> None:
+    """Raise ``Inapplicable`` where the harness cannot measure the peer ``plan`` on ``device``."""
+    if plan.info.get("runner") == "torch_compile" and device == "cpu":
+        raise strategies.Inapplicable(
+            "torch_compile_budget on cpu: the tracker cannot see inside compiled code (NOTE [measuring "
+            "torch.compile] in harness/peers.py); use device=meta or device=cuda")
+
+
 def step(plan, model: nn.Module, structure: dict[str, list[str]], example_input: torch.Tensor, loss_fn):
     """The training step (forward, loss, backward) that runs the peer ``plan``; returns the loss."""
     runner = plan.info.get("runner")
+    if runner == "torch_compile":
+        return compiled_step(model, example_input, loss_fn, plan.info["budget_ratio"])
     if runner == "torch_checkpoint":
         def forward():
             with checkpointed(model, structure["blocks"]):

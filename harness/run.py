@@ -93,16 +93,19 @@ def _measure_cell(row: dict) -> dict:
                     "method": "not run: the executor runs stage plans, not general (R, S) schedules"}
     else:
         if plan.info.get("runner"):
+            peers.check_measurable(plan, row["device"])
             step = peers.step(plan, model, structure, example_input, loss_fn)
         else:
             step = lambda: execute(traced, plan, example_input, loss_fn=loss_fn)  # noqa: E731
         measured = _measured(measure(step, model, (example_input,), row["device"], row["warmup_steps"],
                                      row["timed_steps"]))
+        measured["compile_time_s"] = getattr(step, "compile_time_s", None)
+    predicts = plan.info.get("prediction") != "none"  # torch.compile decides out of the IR's sight
     return {
         **measured,
-        "predicted_peak_bytes": predicted.peak_bytes + static_bytes,
-        "predicted_peak_no_liveness_bytes": predicted_no_liveness.peak_bytes + static_bytes,
-        "predicted_overhead_cost": predicted.overhead_cost, "total_cost": sum(graph.cost),
+        "predicted_peak_bytes": predicted.peak_bytes + static_bytes if predicts else None,
+        "predicted_peak_no_liveness_bytes": predicted_no_liveness.peak_bytes + static_bytes if predicts else None,
+        "predicted_overhead_cost": predicted.overhead_cost if predicts else None, "total_cost": sum(graph.cost),
         "static_bytes": static_bytes, "node_count": len(graph), "layer_count": len(traced.group_of),
         "stage_count": len(plan.stages), "recomputed_node_count": bin(plan.recomputed).count("1"),
         "solve_time_s": plan.solve_time_s, **{f"plan_{key}": value for key, value in plan.info.items()},
@@ -171,12 +174,15 @@ def summary(row: dict) -> str:
             f"{_gb(row['measured_activations_bytes'])}")
     time_part = (f"; step {row['step_time_ms']:.1f} ms (IQR {row['step_time_iqr_ms']:.1f})"
                  if row.get("step_time_ms") is not None else "")
+    if row.get("compile_time_s") is not None:
+        time_part += f"; compile {row['compile_time_s']:.1f} s"
     return "\n".join([
         head,
         measured_part + time_part,
-        f"  predicted peak {_gb(row['predicted_peak_bytes'])} (without liveness "
-        f"{_gb(row['predicted_peak_no_liveness_bytes'])}); overhead {row['predicted_overhead_cost']:g} of "
-        f"{row['total_cost']:g} cost units; {row['stage_count']} stage(s), {row['recomputed_node_count']} recomputed",
+        (f"  predicted peak {_gb(row['predicted_peak_bytes'])} (without liveness "
+         f"{_gb(row['predicted_peak_no_liveness_bytes'])}); overhead {row['predicted_overhead_cost']:g} of "
+         f"{row['total_cost']:g} cost units; {row['stage_count']} stage(s), {row['recomputed_node_count']} recomputed"
+         if row.get("predicted_peak_bytes") is not None else "  predicted: none (the plan is made out of the IR's sight)"),
         f"  graph: {row['node_count']} IR nodes from {row['layer_count']} layers (paper #V {row['paper_node_count']}); "
         f"solve {row['solve_time_s'] * 1e3:.1f} ms; run {row['wall_time_s']:.1f} s",
     ] + ([f"  row: {row['row_path']}"] if "row_path" in row else []))

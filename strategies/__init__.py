@@ -32,6 +32,7 @@ _MODULES = {
     "torch_checkpoint_blocks": "strategies.torch_checkpoint_blocks",
     "torch_checkpoint_sequential": "strategies.torch_checkpoint_sequential",
     "ilp_optimal": "strategies.ilp_optimal",
+    "torch_compile_budget": "strategies.torch_compile_budget",
 }
 
 __all__ = ["Action", "Graph", "Inapplicable", "InfeasibleBudget", "Plan", "Prediction", "SolverTimeout",

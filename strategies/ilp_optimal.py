@@ -117,39 +117,42 @@ def warm_values(tg, computed, held, R, S, U, FREE, unit) -> dict[int, float]:
 
 
 def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = None) -> Plan:
-    import highspy  # the optional "ilp" extra
-
     from strategies import approx_dp
 
     options = options or Options()
     if options.time_limit_s <= 0:
         raise ValueError(f"ilp_optimal: time_limit_s must be positive, got {options.time_limit_s}")
-    tg = schedule.training_graph(graph)
-    size = len(tg.mem)
+    size = 2 * len(graph)
     if size > options.max_stages:
         raise Inapplicable(f"ilp_optimal: the training graph has {size} stages, more than max_stages="
                            f"{options.max_stages} (about {size * size} binaries); raise max_stages to build it")
-    params = sum(graph.param_bytes)
-    start = None
     try:
-        start = schedule.from_plan(graph, approx_dp.solve(graph, None if budget_bytes is None
-                                                          else max(budget_bytes, 1)))
+        start = schedule.from_plan(graph, approx_dp.solve(graph, budget_bytes and max(budget_bytes, 1)))
     except InfeasibleBudget:
-        pass
-    if budget_bytes is None:
-        if start is None:
-            start = schedule.from_plan(graph, approx_dp.solve(graph, None))
-        budget_bytes = schedule.peak(tg, *start) + params
-    if start is not None and schedule.peak(tg, *start) + params > budget_bytes:
         start = None
-    budget = budget_bytes - params
+    if budget_bytes is None:
+        start = start or schedule.from_plan(graph, approx_dp.solve(graph, None))
+        budget_bytes = schedule.peak(schedule.training_graph(graph), *start) + sum(graph.param_bytes)
+    return optimise(graph, budget_bytes, start if options.warm_start else None, options.time_limit_s)
+
+
+def optimise(graph: Graph, budget_bytes: int, start, time_limit_s: float) -> Plan:
+    """The least-overhead schedule within ``budget_bytes`` (parameter gradients included), HiGHS starting
+    from schedule ``start`` (R, S) where it fits."""
+    import highspy  # the optional "ilp" extra
+
+    tg = schedule.training_graph(graph)
+    size = len(tg.mem)
+    budget = budget_bytes - sum(graph.param_bytes)
     if budget <= 0:
         raise InfeasibleBudget(budget_bytes, None, "ilp_optimal")
+    if start is not None and schedule.peak(tg, *start) > budget:
+        start = None
     unit = max(tg.mem)  # memory in units of the largest value: coefficients near 1 for the solver
     m, R, S, U, FREE = build(tg, budget, unit)
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
-    h.setOptionValue("time_limit", float(options.time_limit_s))
+    h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("threads", 1)
     count = len(m.lower)
     h.addCols(count, np.array(m.cost), np.array(m.lower, dtype=float), np.array(m.upper, dtype=float), 0,
@@ -159,7 +162,7 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
     integer = [c for c in range(count) if m.integer[c]]
     h.changeColsIntegrality(len(integer), np.array(integer, np.int32),
                             np.full(len(integer), highspy.HighsVarType.kInteger, np.uint8))
-    if start is not None and options.warm_start:
+    if start is not None:
         values = warm_values(tg, *start, R, S, U, FREE, unit)
         h.setSolution(len(values), np.array(list(values), np.int32), np.array(list(values.values())))
     began = time.perf_counter()
@@ -170,7 +173,7 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
         raise InfeasibleBudget(budget_bytes, None, "ilp_optimal")
     solution = np.array(h.getSolution().col_value)
     if status != highspy.HighsModelStatus.kOptimal and (not len(solution) or not h.getInfo().primal_solution_status):
-        raise SolverTimeout(f"ilp_optimal: HiGHS found no schedule within {options.time_limit_s} s "
+        raise SolverTimeout(f"ilp_optimal: HiGHS found no schedule within {time_limit_s} s "
                             f"({h.modelStatusToString(status)})")
     computed = tuple(sum(1 << i for i in range(t + 1) if solution[R[t, i]] > 0.5) for t in range(size))
     held = schedule.hold_until_last_use(tg, computed)  # the least S for this R: never more memory
@@ -179,4 +182,3 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
             "ilp_rows": len(m.row_lower), "ilp_bound": float(h.getInfo().mip_dual_bound) - sum(tg.cost),
             "warm_start_overhead": schedule.cost(tg, start[0]) if start is not None else float("nan")}
     return schedule.to_plan(graph, computed, held, strategy="ilp_optimal", budget_bytes=budget_bytes, info=info)
-

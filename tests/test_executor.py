@@ -48,6 +48,8 @@ def plans(graph, structure):
     for name in strategies.available():
         if name == "ilp_optimal":  # predicted only: execute refuses its schedules (tests/test_ilp.py)
             continue
+        if name == "torch_compile_budget":  # checked in float64 (tests/test_peers.py): its decompositions round
+            continue                        # differently in float32, which small-batch BatchNorm amplifies
         try:
             yield name, strategies.solve(name, graph, **peers.zoo_options(name, structure))
         except strategies.Inapplicable:

@@ -116,7 +116,10 @@ def test_every_strategy_is_deterministic_and_within_budget(name):
     peer = peers.zoo_options(name, {"blocks": ["no-such-block"], "sequence": ["no-such-step"]})  # no modules
     first, second = solve(name, g, **peer), solve(name, g, **peer)
     assert (first.stages, first.kept) == (second.stages, second.kept)
+    if name == "torch_compile_budget":  # takes a ratio of the activations, not bytes (tests/test_peers.py)
+        return
     peak = simulate(g, first, liveness=strategies.module(name).BUDGET_LIVENESS).peak_bytes
     assert solve(name, g, peak, **peer).budget_bytes == peak
-    with pytest.raises(InfeasibleBudget):
-        solve(name, g, peak - 1, **peer)
+    if name != "ilp_optimal":  # its default budget is approx_dp's schedule's, not its own least (test_ilp)
+        with pytest.raises(InfeasibleBudget):
+            solve(name, g, peak - 1, **peer)

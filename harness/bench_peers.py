@@ -1,0 +1,131 @@
+"""Every strategy and PyTorch peer beside the optimum: ``python -m harness.bench_peers OUT_STEM``.
+
+For each zoo net at seed 004's sizes and each strategy (at its default budget, the DPs at their minimum):
+the measured peak and reduction against vanilla, read from the result rows (``--rows``, made by ``python -m
+harness sweep=strategies`` and ``sweep=strategies_mc``); the overhead the simulator predicts; and the
+strategy's plan as a Checkmate schedule (``strategies/schedule.py``): the memory it needs by that
+accounting, its overhead, and ``ilp_optimal``'s overhead within that same memory, HiGHS starting from the
+strategy's own schedule (so the ILP is never worse), with its status. Where the ILP proves optimality,
+"vs ILP" is the strategy's overhead over the optimum's. Writes ``OUT_STEM.md`` and ``OUT_STEM.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+from pathlib import Path
+
+import pandas as pd
+from tqdm import tqdm
+
+import strategies
+from harness import nets, peers
+from harness.results import load_results
+from harness.trace import trace
+from strategies import schedule
+from strategies.ilp_optimal import Options as IlpOptions
+from strategies.ilp_optimal import optimise
+
+GB = 1e9
+STRATEGIES = [("vanilla", ""), ("liveness_only", ""), ("chen_sqrt", ""), ("chen_greedy", ""),
+              ("approx_dp", "tc"), ("approx_dp", "mc"), ("exact_dp", "tc"), ("exact_dp", "mc"),
+              ("torch_checkpoint_blocks", ""), ("torch_checkpoint_sequential", "")]
+PEERS = ("torch_checkpoint_blocks", "torch_checkpoint_sequential")
+
+
+def measured_peaks(rows: pd.DataFrame, net: str) -> dict[tuple[str, str], float]:
+    """(strategy, mode) -> measured peak bytes of the net's default-budget rows on ``meta``."""
+    if rows.empty:
+        return {}
+    cells = rows[(rows.net == net) & (rows.status == "ok") & (rows.device == "meta") & rows.budget_bytes.isna()
+                 & (rows.batch_size == nets.spec(net).batch_size)]
+    return {(r.strategy, r.options.get("mode", "")): r.measured_peak_bytes for r in cells.itertuples()}
+
+
+def bench_net(net: str, rows: pd.DataFrame, time_limit_s: float, max_stages: int) -> list[dict]:
+    model, x, _ = nets.build(net)
+    graph = trace(model, x).graph
+    structure = nets.structure(net, model)
+    training = schedule.training_graph(graph)
+    params = sum(graph.param_bytes)
+    # What every plan holds besides the schedule's values (as in run.py): parameters, buffers, the input.
+    static = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers(), x])
+    measured = measured_peaks(rows, net)
+    vanilla = measured.get(("vanilla", ""))
+    out = []
+    for name, mode in STRATEGIES:
+        row = {"net": net, "strategy": name + (f" ({mode})" if mode else ""), "batch": nets.spec(net).batch_size}
+        peak = measured.get((name, mode))
+        row["measured GB"] = peak / GB if peak else math.nan
+        row["vs vanilla"] = f"{100 * (peak / vanilla - 1):+.0f}%" if peak and vanilla else ""
+        try:
+            options = {**peers.zoo_options(name, structure), **({"mode": mode} if mode else {})}
+            plan = strategies.solve(name, graph, **options)
+        except strategies.Inapplicable as error:
+            out.append({**row, "note": str(error).split(": ", 1)[-1]})
+            continue
+        computed, held = schedule.from_plan(graph, plan)
+        budget = schedule.peak(training, computed, held) + params
+        row.update({"overhead / forward": strategies.simulate(graph, plan).overhead_cost / sum(graph.cost),
+                    "schedule GB": (budget + static) / GB, "schedule overhead": schedule.cost(training, computed)})
+        if row["schedule overhead"] == 0:
+            row["note"] = "recomputes nothing: the optimum at this memory too"
+        elif 2 * len(graph) > max_stages:
+            row["note"] = f"ILP not built: {2 * len(graph)} stages > {max_stages}"
+        else:
+            ilp = optimise(graph, budget, (computed, held), time_limit_s)
+            best = strategies.simulate(graph, ilp).overhead_cost
+            row.update({"ILP overhead": best, "ILP status": ilp.info["ilp_status"],
+                        "ILP bound": ilp.info["ilp_bound"], "ILP s": ilp.info["ilp_seconds"]})
+            if ilp.info["ilp_status"] == "optimal":
+                row["vs ILP"] = row["schedule overhead"] / best if best else math.inf
+        out.append(row)
+    return out
+
+
+def goals(table: pd.DataFrame) -> list[str]:
+    """The issue's goals for our side, net by net, from the table itself."""
+    lines = []
+    for net, cells in table.groupby("net", sort=False):
+        by = cells.set_index("strategy")
+        ours = by["measured GB"].get("approx_dp (mc)", math.nan)
+        peer = by["measured GB"].reindex(PEERS).min()
+        verdict = "met" if ours <= peer else "NOT met"
+        line = f"- {net}: approx_dp (mc) {ours:.2f} GB against the best PyTorch peer's {peer:.2f} GB: {verdict}"
+        ratio = by["vs ILP"].get("approx_dp (tc)", math.nan) if "vs ILP" in by else math.nan
+        if math.isnan(ratio):
+            line += "; approx_dp (tc) against the ILP: not proven optimal here"
+        else:
+            line += f"; approx_dp (tc) at {ratio:.2f}x the ILP optimum: {'met' if ratio <= 1.05 else 'NOT met'}"
+        lines.append(line)
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_stem")
+    parser.add_argument("--rows", default="results/runs")
+    parser.add_argument("--nets", default=",".join(nets.available()))
+    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds per ILP solve")
+    parser.add_argument("--max-stages", type=int, default=IlpOptions().max_stages)
+    args = parser.parse_args(argv)
+    rows = load_results(args.rows) if Path(args.rows).exists() else pd.DataFrame()
+    table = []
+    for net in tqdm(args.nets.split(","), desc="nets"):
+        table += bench_net(net, rows, args.time_limit, args.max_stages)
+    table = pd.DataFrame(table)
+    out = Path(args.out_stem)
+    table.to_csv(out.with_suffix(".csv"), index=False)
+    command = (f"python -m harness.bench_peers {args.out_stem} --time-limit {args.time_limit:g}"
+               + (f" --max-stages {args.max_stages}" if args.max_stages != IlpOptions().max_stages else ""))
+    out.with_suffix(".md").write_text(
+        f"Made by `{command}` on {datetime.date.today()} (rows from `{args.rows}`, device `meta`; ILP: HiGHS, "
+        f"one thread, {args.time_limit:g} s a solve, this machine's CPU). Peaks in decimal GB, parameters "
+        "included; overheads in cost units of the paper's cost model.\n\n"
+        + table.to_markdown(index=False, floatfmt=".2f") + "\n\n## Goals\n\n" + "\n".join(goals(table)) + "\n")
+    print(out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()
