@@ -30,8 +30,8 @@ from strategies.ilp_optimal import optimise
 GB = 1e9
 STRATEGIES = [("vanilla", ""), ("liveness_only", ""), ("chen_sqrt", ""), ("chen_greedy", ""),
               ("approx_dp", "tc"), ("approx_dp", "mc"), ("exact_dp", "tc"), ("exact_dp", "mc"),
-              ("torch_checkpoint_blocks", ""), ("torch_checkpoint_sequential", "")]
-PEERS = ("torch_checkpoint_blocks", "torch_checkpoint_sequential")
+              ("torch_checkpoint_blocks", ""), ("torch_checkpoint_sequential", ""), ("torch_compile_budget", "")]
+PEERS = ("torch_checkpoint_blocks", "torch_checkpoint_sequential", "torch_compile_budget")
 
 
 def measured_peaks(rows: pd.DataFrame, net: str) -> dict[tuple[str, str], float]:
@@ -64,6 +64,9 @@ def bench_net(net: str, rows: pd.DataFrame, time_limit_s: float, max_stages: int
             plan = strategies.solve(name, graph, **options)
         except strategies.Inapplicable as error:
             out.append({**row, "note": str(error).split(": ", 1)[-1]})
+            continue
+        if plan.info.get("prediction") == "none":
+            out.append({**row, "note": "chosen inside torch.compile: no plan in the IR to compare"})
             continue
         computed, held = schedule.from_plan(graph, plan)
         budget = schedule.peak(training, computed, held) + params

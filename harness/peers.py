@@ -13,7 +13,8 @@ The tracker is a dispatch mode, and torch.compile runs a frame eagerly while a d
 so on ``meta`` the compiled program is replayed instead: AOTAutograd (``aot_module``, the partitioner and
 decompositions ``torch.compile`` uses, inductor's table) compiles the model once, its forward and
 backward graphs are kept, and each step runs them op by op under ``no_grad`` (the tracker sees every op),
-the loss and its gradient eagerly between them. That compile, on meta, is ``compile_time_s``. On ``cpu``
+the loss and its gradient eagerly between them; each value, saved ones included, is freed after its last
+use in its graph, as inductor's generated code does. That compile, on meta, is ``compile_time_s``. On ``cpu``
 and ``cuda`` the step is the real ``torch.compile`` (``aot_eager_decomp_partition`` on cpu, inductor on
 cuda); the cuda allocator measures it, while on cpu nothing can, so ``check_measurable`` refuses a cpu row.
 """
@@ -188,6 +189,8 @@ def _replayed_step(model, example_input, loss_fn, budget):
     saved_count = sum(1 for name in placeholders if not name.startswith("tangents"))
 
     def run():
+        # The forward graph returns the buffers it updates (BatchNorm statistics; nothing to put back on
+        # meta), then the model's output, then what the backward graph takes before the output's gradient.
         with torch.no_grad():
             outputs = fx.Interpreter(graphs["forward"]).run(*arguments)
         saved = list(outputs[len(outputs) - saved_count:])
@@ -196,9 +199,10 @@ def _replayed_step(model, example_input, loss_fn, budget):
         loss = loss_fn(output)
         (output_grad,) = torch.autograd.grad(loss, output)
         del output
-        with torch.no_grad():
-            grads = fx.Interpreter(graphs["backward"]).run(*saved, output_grad)
+        backward_arguments = saved + [output_grad]
         del saved, output_grad
+        with torch.no_grad():  # boxed: the interpreter holds the only references and frees each after use
+            grads = fx.Interpreter(graphs["backward"]).boxed_run(backward_arguments)
         tracker = _get_current_dispatch_mode()
         for argument, grad in zip(arguments, grads):
             if isinstance(argument, nn.Parameter) and grad is not None:

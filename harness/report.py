@@ -47,6 +47,10 @@ def spine_table(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def _ratio(value, unit) -> float:
+    return float("nan") if value is None or pd.isna(value) else value / unit
+
+
 def strategies_table(rows: pd.DataFrame) -> pd.DataFrame:
     """Per net and strategy: measured and predicted peak, reduction against vanilla, beside seed 004."""
     rows = rows[rows.status == "ok"].copy()
@@ -66,9 +70,9 @@ def strategies_table(rows: pd.DataFrame) -> pd.DataFrame:
                 "net": net, "strategy": strategy + (f" ({mode})" if mode else ""), "batch": row.batch_size,
                 "measured GB": row.measured_peak_bytes / GB,
                 "vs vanilla": f"{100 * (row.measured_peak_bytes / base - 1):+.0f}%",
-                "predicted GB": row.predicted_peak_bytes / GB,
-                "model (no liveness) GB": row.predicted_peak_no_liveness_bytes / GB,
-                "overhead / forward": row.predicted_overhead_cost / row.total_cost,
+                "predicted GB": _ratio(row.predicted_peak_bytes, GB),  # none for torch.compile's peer
+                "model (no liveness) GB": _ratio(row.predicted_peak_no_liveness_bytes, GB),
+                "overhead / forward": _ratio(row.predicted_overhead_cost, row.total_cost),
                 "solve s": row.solve_time_s,
                 "paper GB": published,
                 "paper vs vanilla": (f"{100 * (published / paper[('vanilla', '')] - 1):+.0f}%"
