@@ -16,7 +16,9 @@ backward graphs are kept, and each step runs them op by op under ``no_grad`` (th
 the loss and its gradient eagerly between them; each value, saved ones included, is freed after its last
 use in its graph, as inductor's generated code does. That compile, on meta, is ``compile_time_s``. On ``cpu``
 and ``cuda`` the step is the real ``torch.compile`` (``aot_eager_decomp_partition`` on cpu, inductor on
-cuda); the cuda allocator measures it, while on cpu nothing can, so ``check_measurable`` refuses a cpu row.
+cuda); the cuda allocator measures it (the row's ``tracker_peak_bytes``, taken under the tracker, is the
+eager step's there; untested so far, no GPU was lent), while on cpu nothing can, so ``check_measurable``
+refuses a cpu row.
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ def compiled_step(model: nn.Module, example_input: torch.Tensor, loss_fn, budget
         with budget:
             loss = loss_fn(compiled(example_input))
             loss.backward()
-        if run.compile_time_s is None:
+        if run.compile_time_s is None and _get_current_dispatch_mode() is None:  # under one, it ran eagerly
             run.compile_time_s = time.perf_counter() - start
         return loss.detach()
 

@@ -62,15 +62,22 @@ class _Model:
             self.values.append(value)
 
 
-def build(tg: schedule.TrainingGraph, budget_bytes: int, unit: float):
-    """The MILP, memory counted in ``unit`` bytes; returns (model, R, S, U, FREE): their columns."""
+def build(tg: schedule.TrainingGraph, budget_bytes: int | None, unit: float):
+    """The MILP, memory counted in ``unit`` bytes; returns (model, R, S, U, FREE): their columns. With
+    ``budget_bytes=None`` it minimises the peak instead (one more column, above every U)."""
     size = len(tg.mem)
     mem = [b / unit for b in tg.mem]
-    budget = budget_bytes / unit
+    least_peak = budget_bytes is None
     m = _Model()
-    R = {(t, i): m.column(1.0 if i == t else 0.0, 1.0, tg.cost[i]) for t in range(size) for i in range(t + 1)}
+    R = {(t, i): m.column(1.0 if i == t else 0.0, 1.0, 0.0 if least_peak else tg.cost[i])
+         for t in range(size) for i in range(t + 1)}
     S = {(t, i): m.column(0.0, 1.0) for t in range(1, size) for i in range(t)}
-    U = {(t, k): m.column(0.0, budget, integer=False) for t in range(size) for k in range(t + 1)}
+    U = {(t, k): m.column(0.0, np.inf if least_peak else budget_bytes / unit, integer=False)
+         for t in range(size) for k in range(t + 1)}
+    if least_peak:
+        peak = m.column(0.0, np.inf, 1.0, integer=False)
+        for column in U.values():
+            m.row(-np.inf, 0.0, [(column, 1.0), (peak, -1.0)])
     FREE = {(t, i, k): m.column(0.0, 1.0) for t in range(size) for k in range(t + 1) for i in tg.deps[k]}
     for t in range(size - 1):
         for i in range(t + 1):  # keep only what was held or computed
@@ -139,46 +146,80 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
 def optimise(graph: Graph, budget_bytes: int, start, time_limit_s: float) -> Plan:
     """The least-overhead schedule within ``budget_bytes`` (parameter gradients included), HiGHS starting
     from schedule ``start`` (R, S) where it fits."""
-    import highspy  # the optional "ilp" extra
-
     tg = schedule.training_graph(graph)
-    size = len(tg.mem)
     budget = budget_bytes - sum(graph.param_bytes)
     if budget <= 0:
-        raise InfeasibleBudget(budget_bytes, None, "ilp_optimal")
+        raise InfeasibleBudget(budget_bytes, least_budget(graph, time_limit_s), "ilp_optimal")
     if start is not None and schedule.peak(tg, *start) > budget:
         start = None
     unit = max(tg.mem)  # memory in units of the largest value: coefficients near 1 for the solver
-    m, R, S, U, FREE = build(tg, budget, unit)
+    model, R, S, U, FREE = build(tg, budget, unit)
+    warm = warm_values(tg, *start, R, S, U, FREE, unit) if start is not None else None
+    outcome = _run(model, time_limit_s, warm)
+    if outcome.status == "infeasible":
+        raise InfeasibleBudget(budget_bytes, least_budget(graph, time_limit_s), "ilp_optimal")
+    if outcome.solution is None:
+        raise SolverTimeout(f"ilp_optimal: HiGHS found no schedule within {time_limit_s} s")
+    computed = _computed(outcome.solution, R, len(tg.mem))
+    held = schedule.hold_until_last_use(tg, computed)  # the least S for this R: never more memory
+    info = {"ilp_status": outcome.status, "ilp_gap": outcome.gap, "ilp_seconds": outcome.seconds,
+            "ilp_columns": len(model.lower), "ilp_rows": len(model.row_lower),
+            "ilp_bound": outcome.bound - sum(tg.cost),
+            "warm_start_overhead": schedule.cost(tg, start[0]) if start is not None else float("nan")}
+    return schedule.to_plan(graph, computed, held, strategy="ilp_optimal", budget_bytes=budget_bytes, info=info)
+
+
+def least_budget(graph: Graph, time_limit_s: float) -> int | None:
+    """The least budget any schedule fits (parameter gradients included), or None if HiGHS does not prove
+    it within the time limit."""
+    tg = schedule.training_graph(graph)
+    unit = max(tg.mem)
+    model, R, _, _, _ = build(tg, None, unit)
+    outcome = _run(model, time_limit_s, None)
+    if outcome.status != "optimal":
+        return None
+    computed = _computed(outcome.solution, R, len(tg.mem))
+    return schedule.peak(tg, computed, schedule.hold_until_last_use(tg, computed)) + sum(graph.param_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    status: str  # optimal, timeout or infeasible
+    solution: np.ndarray | None
+    gap: float
+    bound: float
+    seconds: float
+
+
+def _run(model: _Model, time_limit_s: float, warm: dict[int, float] | None) -> _Outcome:
+    import highspy  # the optional "ilp" extra
+
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("threads", 1)
-    count = len(m.lower)
-    h.addCols(count, np.array(m.cost), np.array(m.lower, dtype=float), np.array(m.upper, dtype=float), 0,
-              np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
-    h.addRows(len(m.row_lower), np.array(m.row_lower, dtype=float), np.array(m.row_upper, dtype=float),
-              len(m.indices), np.array(m.starts, np.int32), np.array(m.indices, np.int32), np.array(m.values))
-    integer = [c for c in range(count) if m.integer[c]]
+    count = len(model.lower)
+    h.addCols(count, np.array(model.cost), np.array(model.lower, dtype=float), np.array(model.upper, dtype=float),
+              0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
+    h.addRows(len(model.row_lower), np.array(model.row_lower, dtype=float), np.array(model.row_upper, dtype=float),
+              len(model.indices), np.array(model.starts, np.int32), np.array(model.indices, np.int32),
+              np.array(model.values))
+    integer = [c for c in range(count) if model.integer[c]]
     h.changeColsIntegrality(len(integer), np.array(integer, np.int32),
                             np.full(len(integer), highspy.HighsVarType.kInteger, np.uint8))
-    if start is not None:
-        values = warm_values(tg, *start, R, S, U, FREE, unit)
-        h.setSolution(len(values), np.array(list(values), np.int32), np.array(list(values.values())))
+    if warm is not None:
+        h.setSolution(len(warm), np.array(list(warm), np.int32), np.array(list(warm.values())))
     began = time.perf_counter()
     h.run()
     seconds = time.perf_counter() - began
-    status = h.getModelStatus()
+    status, info = h.getModelStatus(), h.getInfo()
     if status == highspy.HighsModelStatus.kInfeasible:
-        raise InfeasibleBudget(budget_bytes, None, "ilp_optimal")
-    solution = np.array(h.getSolution().col_value)
-    if status != highspy.HighsModelStatus.kOptimal and (not len(solution) or not h.getInfo().primal_solution_status):
-        raise SolverTimeout(f"ilp_optimal: HiGHS found no schedule within {time_limit_s} s "
-                            f"({h.modelStatusToString(status)})")
-    computed = tuple(sum(1 << i for i in range(t + 1) if solution[R[t, i]] > 0.5) for t in range(size))
-    held = schedule.hold_until_last_use(tg, computed)  # the least S for this R: never more memory
-    info = {"ilp_status": "optimal" if status == highspy.HighsModelStatus.kOptimal else "timeout",
-            "ilp_gap": float(h.getInfo().mip_gap), "ilp_seconds": seconds, "ilp_columns": count,
-            "ilp_rows": len(m.row_lower), "ilp_bound": float(h.getInfo().mip_dual_bound) - sum(tg.cost),
-            "warm_start_overhead": schedule.cost(tg, start[0]) if start is not None else float("nan")}
-    return schedule.to_plan(graph, computed, held, strategy="ilp_optimal", budget_bytes=budget_bytes, info=info)
+        return _Outcome("infeasible", None, float("nan"), float("nan"), seconds)
+    found = info.primal_solution_status != 0
+    return _Outcome("optimal" if status == highspy.HighsModelStatus.kOptimal else "timeout",
+                    np.array(h.getSolution().col_value) if found else None, float(info.mip_gap),
+                    float(info.mip_dual_bound), seconds)
+
+
+def _computed(solution: np.ndarray, R: dict, size: int) -> tuple[int, ...]:
+    return tuple(sum(1 << i for i in range(t + 1) if solution[R[t, i]] > 0.5) for t in range(size))

@@ -71,8 +71,13 @@ def test_bad_input():
         solve("ilp_optimal", graph, time_limit_s=0)
     with pytest.raises(strategies.Inapplicable, match="raise max_stages"):
         solve("ilp_optimal", graph, max_stages=4)
-    with pytest.raises(InfeasibleBudget):
+    with pytest.raises(InfeasibleBudget) as error:
         solve("ilp_optimal", graph, 5)
+    least = error.value.min_feasible_bytes  # proved by a second MILP that minimises the peak
+    assert least is not None and f"minimal feasible budget is {least} bytes" in str(error.value)
+    assert simulate(graph, solve("ilp_optimal", graph, least)).peak_bytes == least
+    with pytest.raises(InfeasibleBudget):
+        solve("ilp_optimal", graph, least - 1)
 
 
 def test_the_row_says_the_schedule_was_predicted_not_run(tmp_path):
