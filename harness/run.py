@@ -182,7 +182,8 @@ def summary(row: dict) -> str:
         (f"  predicted peak {_gb(row['predicted_peak_bytes'])} (without liveness "
          f"{_gb(row['predicted_peak_no_liveness_bytes'])}); overhead {row['predicted_overhead_cost']:g} of "
          f"{row['total_cost']:g} cost units; {row['stage_count']} stage(s), {row['recomputed_node_count']} recomputed"
-         if row.get("predicted_peak_bytes") is not None else "  predicted: none (the plan is made out of the IR's sight)"),
+         if row.get("predicted_peak_bytes") is not None
+         else "  predicted: none (the plan is made out of the IR's sight)"),
         f"  graph: {row['node_count']} IR nodes from {row['layer_count']} layers (paper #V {row['paper_node_count']}); "
         f"solve {row['solve_time_s'] * 1e3:.1f} ms; run {row['wall_time_s']:.1f} s",
     ] + ([f"  row: {row['row_path']}"] if "row_path" in row else []))

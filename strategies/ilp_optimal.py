@@ -11,8 +11,9 @@ Its space holds every stage plan (``schedule.from_plan``): the ILP's overhead is
 strategy whose schedule fits the same budget by the same accounting, ``exact_dp``'s included, so it is
 the floor to measure the others against where HiGHS proves optimality. The solver starts from
 ``approx_dp``'s schedule when that fits. ``budget_bytes=None`` is the budget ``approx_dp``'s minimal-memory
-plan needs by this accounting. A time limit returns the best schedule found with status ``timeout`` and
-the gap; no schedule at all raises ``SolverTimeout``. Schedules may recompute a node several times: the
+plan needs by this accounting; below the least budget any schedule fits, ``InfeasibleBudget`` states it
+(a second MILP minimises the peak). A time limit returns the best schedule found with status ``timeout``
+and the gap; no schedule at all raises ``SolverTimeout``. Schedules may recompute a node several times: the
 simulator predicts them, the executor does not run them.
 """
 

@@ -18,6 +18,7 @@ the caller adds, as for seed 004's model.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from strategies.graph import Graph, members
@@ -30,7 +31,6 @@ class TrainingGraph:
     users: tuple[tuple[int, ...], ...]
     mem: tuple[int, ...]
     cost: tuple[float, ...]  # a backward costs twice its forward (Checkmate's cost model)
-    forward_nodes: int
 
 
 def backward_node(n: int, v: int) -> int:
@@ -54,7 +54,7 @@ def training_graph(graph: Graph) -> TrainingGraph:
         for i in ds:
             users[i].append(k)
     return TrainingGraph(deps=tuple(tuple(sorted(d)) for d in deps), users=tuple(tuple(sorted(u)) for u in users),
-                         mem=tuple(mem), cost=tuple(cost), forward_nodes=n)
+                         mem=tuple(mem), cost=tuple(cost))
 
 
 def frees(tg: TrainingGraph, computed: int, held_next: int, k: int) -> list[int]:
@@ -138,4 +138,4 @@ def to_plan(graph: Graph, computed: tuple[int, ...], held: tuple[int, ...], **kw
     n = len(graph)
     once = sum(1 << v for v in range(n) if sum(row >> v & 1 for row in computed) == 1)
     plan = Plan.from_stages(graph, [graph.all_nodes], kept=once, **kwargs)
-    return Plan(**{**{f: getattr(plan, f) for f in plan.__slots__}, "schedule": (tuple(computed), tuple(held))})
+    return dataclasses.replace(plan, schedule=(tuple(computed), tuple(held)))

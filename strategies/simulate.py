@@ -25,8 +25,8 @@ PyTorch's reference-counted autograd does):
   read by a backward is not recomputed at all; ``overhead_cost`` still follows equation (1), which charges
   every discarded value, so it is an upper bound on what the executor recomputes.
 A plan with a general ``schedule`` (R, S) has one model, Checkmate's (``strategies/schedule.py``), whatever
-``liveness`` says. Both return the same ``Prediction``; ``timeline`` exposes the event list so that other analyses (the
-static memory plan of ``liveness_only``) read the very schedule the peak came from.
+``liveness`` says. Both return the same ``Prediction``; ``timeline`` exposes the event list so that other
+analyses (the static memory plan of ``liveness_only``) read the very schedule the peak came from.
 """
 
 from __future__ import annotations
