@@ -22,6 +22,7 @@ from tqdm import tqdm
 import strategies
 from harness import nets, peers
 from harness.results import load_results
+from harness.run import fixed_bytes
 from harness.trace import trace
 from strategies import schedule
 from strategies.ilp_optimal import Options as IlpOptions
@@ -49,8 +50,7 @@ def bench_net(net: str, rows: pd.DataFrame, time_limit_s: float, max_stages: int
     structure = nets.structure(net, model)
     training = schedule.training_graph(graph)
     params = sum(graph.param_bytes)
-    # What every plan holds besides the schedule's values (as in run.py): parameters, buffers, the input.
-    static = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers(), x])
+    static = fixed_bytes(model, x)
     measured = measured_peaks(rows, net)
     vanilla = measured.get(("vanilla", ""))
     out = []

@@ -78,8 +78,7 @@ def _measure_cell(row: dict) -> dict:
     model, example_input, loss_fn = nets.build(row["net"], row["batch_size"], row["image_size"], row["device"])
     traced = trace(model, example_input, row["cost_model"])
     graph = traced.graph
-    static_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    static_bytes += example_input.numel() * example_input.element_size()
+    static_bytes = fixed_bytes(model, example_input)
     # A strategy that follows the net's own layout (a PyTorch peer) gets the zoo's blocks or sequence; they
     # stay out of the row's options, which name the result file (options given in the row win in _solve).
     structure = nets.structure(row["net"], model)
@@ -122,6 +121,11 @@ _MEASURED = {"method": "method", "device_name": "device_name", "measured_peak_by
 
 def _measured(measured) -> dict:
     return {field: getattr(measured, attribute) for field, attribute in _MEASURED.items()}
+
+
+def fixed_bytes(model, example_input) -> int:
+    """What every plan holds besides the graph's values: parameters, buffers and the input batch."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers(), example_input])
 
 
 def _solve(row: dict, graph, static_bytes: int, zoo_options: dict):

@@ -126,23 +126,20 @@ def rows(words, n):
 
 
 @njit(cache=True)
-def columns(words, n):
-    """CSR of each node's rows (ascending)."""
-    count = words.shape[0]
+def columns(pointers, indices, n):
+    """The transpose of a CSR from ``rows``: each node's rows, ascending."""
+    count = pointers.shape[0] - 1
     sizes = np.zeros(n + 1, dtype=np.int64)
+    for v in indices:
+        sizes[v + 1] += 1
+    column_pointers = np.cumsum(sizes)
+    column_indices = np.empty(indices.shape[0], dtype=np.int64)
+    filled = column_pointers[:n].copy()
     for s in range(count):
-        for v in range(n):
-            if words[s, v >> 6] >> np.uint64(v & 63) & ONE:
-                sizes[v + 1] += 1
-    pointers = np.cumsum(sizes)
-    indices = np.empty(pointers[n], dtype=np.int64)
-    filled = pointers[:n].copy()
-    for s in range(count):
-        for v in range(n):
-            if words[s, v >> 6] >> np.uint64(v & 63) & ONE:
-                indices[filled[v]] = s
-                filled[v] += 1
-    return pointers, indices
+        for v in indices[pointers[s]:pointers[s + 1]]:
+            column_indices[filled[v]] = s
+            filled[v] += 1
+    return column_pointers, column_indices
 
 
 @njit(cache=True, inline="always")

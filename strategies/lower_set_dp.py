@@ -80,7 +80,7 @@ def prepare(graph: Graph, words: np.ndarray) -> Table:
     words, boundary, maximal = words[order], boundary[order], maximal[order]
     values = np.asfortranarray(values[order])  # the kernels read a column over many sets at a time
     assert not words[0].any() and bitset(words[-1]) == graph.all_nodes, "bug: a family runs from ∅ to V"
-    lists = (*kernels.rows(maximal, n), *kernels.columns(words, n))
+    lists = (*kernels.rows(maximal, n), *kernels.columns(*kernels.rows(words, n), n))
     return Table(words=words, boundary=boundary, values=values, lists=lists, node_mem=node_mem, node_time=node_time)
 
 
