@@ -310,12 +310,26 @@ def pareto_chains(words, boundary, values, lists, node_mem, node_time, budget, o
             grown_parents[:, :parents.shape[1]] = parents
             parents = grown_parents
         least = frontier[i, 0, 1]
+        best = frontier[i, k - 1, 0]  # the least value at set i
         last = _window_end(values, i, budget - least)
         if last <= i + 1:
             continue
         room = budget - least + 2 * values[i, MEM]
         for j in _candidates(i, last, lists, everything):
-            if values[j, KEY] > room or most[j] == -np.inf or not _holds(words, j, i):
+            if values[j, KEY] > room or most[j] == -np.inf:
+                continue
+            # Before the superset test: the stage adds at least t(L_j \ L_i) - t(∂(L_j)) and at most
+            # t(L_j \ L_i) of overhead, so a bound on the value at j may already exceed the cutoff.
+            if objective == 1:
+                bound = best + values[j, TIME] - values[i, TIME] - values[j, TIME_BOUNDARY] + to_go[j]
+            elif objective == 2:
+                bound = best - values[j, TIME] + values[i, TIME] + to_go[j]
+            else:
+                bound = -np.inf
+            if bound > cutoff:
+                over = min(over, bound)
+                continue
+            if not _holds(words, j, i):
                 continue
             stage = values[j, KEY] - 2 * values[i, MEM]
             shared_mem, shared_time = _shared(words, boundary, node_mem, node_time, j, i)

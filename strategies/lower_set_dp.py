@@ -124,7 +124,10 @@ def best_chain(table: Table, budget: float, mode: str) -> list[int] | None:
     most, low, high = kernels.backward(*table.args(), budget, least)
     objective, to_go = (1, low) if mode == "tc" else (2, -high)
     start = cutoff = to_go[0]
-    step = 0.02 * (high[0] - low[0])  # the optimum lies between the bounds; rise by at least this
+    # The optimum lies between the bounds. A pass that overshoots it costs far more than one that falls
+    # short (the paper's GoogLeNet, tc: 1.1 s at the optimum, 2.8 s at 10% above), so the cutoff rises
+    # by small steps.
+    step = 0.005 * (high[0] - low[0])
     last = len(table) - 1
     while True:
         slack = 1e-9 * max(1.0, abs(cutoff))  # overheads summed in another order may differ in the last bits
@@ -133,7 +136,7 @@ def best_chain(table: Table, budget: float, mode: str) -> list[int] | None:
         if sizes[last]:
             break
         assert over < np.inf, "bug: V is reachable within the budget, yet no state was dropped"
-        cutoff = max(over, cutoff + max(step, 0.25 * (cutoff - start)))
+        cutoff = max(over, cutoff + max(step, 0.1 * (cutoff - start)))
     chain, s, slot = [], last, int(np.argmin(frontier[last, :sizes[last], 0]))
     while s > 0:
         chain.append(s)
