@@ -18,7 +18,7 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(f"choose a strategy with +strategy=NAME; valid strategies: {', '.join(strategies.available())}")
     run_cell(cfg.net.name, cfg.strategy.name, batch_size=cfg.batch_size, image_size=cfg.image_size,
              device=cfg.device.name, budget=cfg.budget, cost_model=cfg.cost_model,
-             options=OmegaConf.to_container(cfg.strategy.options), warmup_steps=cfg.device.warmup_steps,
+             options=OmegaConf.to_container(cfg.strategy.options, resolve=True), warmup_steps=cfg.device.warmup_steps,
              timed_steps=cfg.device.timed_steps, results_dir=cfg.results_dir, resume=cfg.resume)
 
 

@@ -17,6 +17,18 @@ in the forward pass too: the recomputation runs that layer with autograd on and 
 order it was saved. Two side effects are replayed, not repeated: BatchNorm layers recompute with batch
 statistics and their running statistics are put back, and layers that draw random numbers (dropout) run
 with the RNG state they had in the forward pass, so they draw the same masks.
+
+NOTE [swapping]
+A saved tensor whose storage belongs to a swapped node (``plan.swapped``) is copied to host memory when
+it is first packed, once per storage however often it is saved; the token keeps the host copy and the
+tensor's geometry, so the device storage dies at its last forward use. The copy back starts when the
+backward of the node's ``prefetch`` trigger starts (a pre-hook on that node's ``grad_fn``; -1: when the
+forward pass ends), and the device copy is dropped when its last token is unpacked. A token unpacked
+before its copy back started fetches it then (a stall). On CUDA the copies run on two side streams into
+one pinned host pool: the copy out waits for the compute stream and ``record_stream`` keeps the device
+block from reuse until it is done; the copy back waits for the copy out, and the compute stream waits
+for the copy back before the tensor is used. On ``meta`` and ``cpu`` the copies are made at once, in
+``measure.on_host()``, so the tracker moves them out of the device's tally.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
+from harness.measure import on_host
 from harness.trace import Traced
 from strategies import Plan, members
 
@@ -60,13 +73,26 @@ def execute(traced: Traced, plan: Plan, *inputs: torch.Tensor, loss_fn=None) -> 
 
 
 @dataclass(eq=False)
+class _HostCopy:
+    """A swapped storage: its bytes in host memory, and on the device again once fetched."""
+
+    host: torch.Tensor  # uint8, the whole storage
+    device: torch.device
+    tokens: int = 0  # saved tensors of this storage not yet unpacked
+    fetched: torch.Tensor | None = None
+    copied_out: object = None  # CUDA events
+    copied_in: object = None
+
+
+@dataclass(eq=False)
 class _Saved:
-    """What a saved-tensor hook keeps: the tensor, or for a recomputed value only its place."""
+    """What a saved-tensor hook keeps: the tensor, or for a recomputed or swapped value only its place."""
 
     tensor: torch.Tensor | None
     group: int = -1
     geometry: tuple = ()
     extra: tuple[str, int] | None = None  # (fx node, rank among what it saved): not a node's value
+    swapped: _HostCopy | None = None
 
 
 @dataclass
@@ -86,6 +112,9 @@ class _Step:
     extras: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # recomputed extras, until unpacked
     extra_keys: set[tuple[str, int]] = field(default_factory=set)  # (fx node, rank) of every extra token
     needs_grad: dict[str, bool] = field(default_factory=dict)  # fx node -> whether its output required grad
+    host_copies: dict[int, tuple[weakref.ref, _HostCopy]] = field(default_factory=dict)  # storage id -> copy
+    swapped_groups: dict[int, list[_HostCopy]] = field(default_factory=dict)  # swapped group -> its copies
+    late_fetches: int = 0  # tokens unpacked before their prefetch
 
     def __post_init__(self):
         graph = self.traced.graph
@@ -94,6 +123,12 @@ class _Step:
         self.nodes = {n.name: n for n in self.traced.module.graph.nodes}
         self.modules = dict(self.traced.module.named_modules())
         self.reads_left = _last_uses(self.traced.module.graph)
+        self.swapped = set(members(self.plan.swapped))
+        self.fetch_at: dict[int, list[int]] = {}  # trigger node (-1: end of forward) -> swapped groups
+        for g, trigger in self.plan.prefetch:
+            self.fetch_at.setdefault(trigger, []).append(g)
+        graph = self.traced.graph
+        self.streams = _SwapStreams(sum(graph.mem_bytes[g] + _ALIGN for g in self.swapped))
         self.cached_names: dict[int, set[str]] = {}  # kept group -> its fx nodes that recomputation reads
         for name in (n for g in self.discarded for n in self.traced.members[g]):
             for source in self.nodes[name].all_input_nodes:
@@ -146,6 +181,10 @@ class _Step:
                     self.storage_group[id(storage)] = (weakref.ref(storage), g)
             if node.name in self.cached_names.get(g, ()):
                 self.cache[node.name] = value
+            if g in self.fetch_at and node.name == self.traced.members[g][-1]:
+                grad_fn = _first_tensor(value).grad_fn
+                if grad_fn is not None:  # else the tokens fetch when unpacked
+                    grad_fn.register_prehook(lambda grad_outputs, g=g: self._fetch(self.fetch_at[g]))
         self._resolve(node.name if g is not None else None)
 
     def _free_inputs(self, node: fx.Node):
@@ -157,6 +196,7 @@ class _Step:
     def end_forward(self):
         self._resolve()
         self.env.clear()
+        self._fetch(self.fetch_at.get(-1, ()))
         needed = {self.stage_of[g] for g, count in self.tokens_left.items() if count}
         for g in list(self.cache_stages):
             self.cache_stages[g] &= needed
@@ -179,8 +219,13 @@ class _Step:
             entry = self.storage_group.get(id(storage))
             g = entry[1] if entry and entry[0]() is storage else -1
             t = saved.tensor
-            if g in self.discarded:
+            if g in self.discarded or g in self.swapped:
                 saved.group, saved.geometry = g, (t.size(), t.stride(), t.storage_offset(), t.dtype)
+                if g in self.swapped:
+                    saved.swapped = self._copy_out(g, storage)
+                    saved.swapped.tokens += 1
+                    saved.tensor = None
+                    continue
             elif g == -1 and group in self.discarded and id(storage) not in self.static:
                 saved.group, saved.extra = group, (node_name, rank)
                 self.extra_nodes.add(node_name)
@@ -194,6 +239,8 @@ class _Step:
     def unpack(self, saved: _Saved) -> torch.Tensor:
         if saved.tensor is not None:
             return saved.tensor
+        if saved.swapped is not None:
+            return self._swapped_in(saved)
         g = saved.group
         if g not in self.recomputed:
             self._recompute_stage(self.stage_of[g])
@@ -207,6 +254,42 @@ class _Step:
         self.tokens_left[g] -= 1
         if self.tokens_left[g] == 0:
             del self.recomputed[g]
+        return value
+
+    # -- swapping (NOTE [swapping]) ---------------------------------------------------------------------
+
+    def _copy_out(self, g: int, storage: torch.UntypedStorage) -> _HostCopy:
+        entry = self.host_copies.get(id(storage))
+        if entry is not None and entry[0]() is storage:
+            return entry[1]
+        whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        with on_host():
+            host = self.streams.host_buffer(whole)
+        copy = _HostCopy(host=host, device=storage.device)
+        copy.copied_out = self.streams.copy(host, whole, outwards=True)
+        self.host_copies[id(storage)] = (weakref.ref(storage), copy)
+        self.swapped_groups.setdefault(g, []).append(copy)
+        return copy
+
+    def _fetch(self, groups):
+        for g in groups:
+            for copy in self.swapped_groups.get(g, ()):
+                if copy.fetched is None and copy.tokens:
+                    copy.fetched = torch.empty_like(copy.host, device=copy.device)
+                    copy.copied_in = self.streams.copy(copy.fetched, copy.host, outwards=False,
+                                                       after=copy.copied_out)
+
+    def _swapped_in(self, saved: _Saved) -> torch.Tensor:
+        copy = saved.swapped
+        if copy.fetched is None:
+            self.late_fetches += 1
+            self._fetch([saved.group])
+        self.streams.wait(copy.copied_in)
+        size, stride, offset, dtype = saved.geometry
+        value = copy.fetched.view(dtype).as_strided(size, stride, offset)
+        copy.tokens -= 1
+        if copy.tokens == 0:
+            copy.fetched = None
         return value
 
     # -- backward: recomputation ---------------------------------------------------------------------
@@ -308,6 +391,58 @@ class _Step:
             module = self.modules[node.target]
             return isinstance(module, (torch.nn.modules.dropout._DropoutNd, torch.nn.AlphaDropout)) and module.training
         return node.op == "call_function" and node.target in _RANDOM_FUNCTIONS
+
+
+class _SwapStreams:
+    """Where swap's copies run: on CUDA two side streams and one pinned pool; elsewhere at once."""
+
+    def __init__(self, host_bytes: int):
+        self.host_bytes = host_bytes
+        self.cuda = False
+        self.used = 0
+
+    def host_buffer(self, whole: torch.Tensor) -> torch.Tensor:
+        if whole.device.type != "cuda":
+            return torch.empty(whole.numel(), dtype=torch.uint8, device=whole.device)
+        if not self.cuda:
+            self.cuda = True
+            self.out_stream, self.in_stream = torch.cuda.Stream(), torch.cuda.Stream()
+            self.pool = _pinned_pool(self.host_bytes)
+        size = -(-whole.numel() // _ALIGN) * _ALIGN
+        if self.used + size > self.pool.numel():  # more than the plan counted: a buffer of its own
+            return torch.empty(whole.numel(), dtype=torch.uint8, pin_memory=True)
+        self.used += size
+        return self.pool[self.used - size:self.used - size + whole.numel()]
+
+    def copy(self, destination: torch.Tensor, source: torch.Tensor, outwards: bool, after=None):
+        """``destination.copy_(source)``; on CUDA on a side stream, returning its event."""
+        if not self.cuda:
+            destination.copy_(source)
+            return None
+        stream = self.out_stream if outwards else self.in_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        if after is not None:
+            stream.wait_event(after)
+        with torch.cuda.stream(stream):
+            destination.copy_(source, non_blocking=True)
+        (source if outwards else destination).record_stream(stream)
+        return stream.record_event()
+
+    def wait(self, event):
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+
+_ALIGN = 512  # pool slices start where the CUDA allocator would start blocks
+_PINNED: dict[str, torch.Tensor] = {}  # the pool outlives a step: pinning host memory is slow and synchronizes
+
+
+def _pinned_pool(size: int) -> torch.Tensor:
+    """A pinned host buffer of at least ``size`` bytes, made once and grown when a plan needs more."""
+    pool = _PINNED.get("pool")
+    if pool is None or pool.numel() < size:
+        _PINNED["pool"] = pool = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    return pool
 
 
 def _last_uses(graph: fx.Graph, within: set[str] | None = None) -> dict[str, int]:

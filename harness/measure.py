@@ -5,7 +5,8 @@ NOTE [measurement protocol]
   bytes of each storage from its creation until it is freed, and keeps the peak. Parameters, buffers and
   the inputs are counted from the start; a storage becomes a parameter gradient when it lands in
   ``.grad``. The parts at the peak are parameters (with buffers), gradients and activations (everything
-  else: inputs, activations, their gradients, temporaries).
+  else: inputs, activations, their gradients, temporaries). Storages made inside ``on_host()`` (swap's
+  copies in host memory) are counted apart, as ``host``, and never in the device's peak.
 - ``meta``: the real program on meta tensors, nothing allocated; the tracker's peak is the measurement.
   No time is measured (there is nothing to time).
 - ``cpu``: the tracker's peak, and the wall time of a step, median and IQR of ``timed_steps`` steps after
@@ -21,8 +22,10 @@ Every step starts with the parameters' gradients set to None, so a step never se
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -33,6 +36,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 DEVICES = ("meta", "cpu", "cuda")
+DEVICE_PARTS = ("params", "grads", "activations")
+_placement = threading.local()
+
+
+@contextlib.contextmanager
+def on_host():
+    """Storages created inside live in host memory (swap's copies): the tracker counts them apart."""
+    _placement.host = getattr(_placement, "host", 0) + 1
+    try:
+        yield
+    finally:
+        _placement.host -= 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +59,7 @@ class Measurement:
     params_bytes: int  # parts at the tracker's peak
     grads_bytes: int
     activations_bytes: int
+    host_peak_bytes: int = 0  # swap's copies in host memory, at their peak
     reserved_bytes: int | None = None
     nvml_used_bytes: int | None = None
     step_time_ms: float | None = None
@@ -57,9 +73,10 @@ class MemoryTracker(TorchDispatchMode):
     def __init__(self, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]):
         super().__init__()
         self.live: dict[int, tuple[int, str]] = {}  # storage id -> (bytes, part)
-        self.current = {"params": 0, "grads": 0, "activations": 0}
+        self.current = {"params": 0, "grads": 0, "activations": 0, "host": 0}
         self.peak_bytes = 0
         self.peak_parts = dict(self.current)
+        self.host_peak_bytes = 0
         self._hooks = []
         for t in list(model.parameters()) + list(model.buffers()):
             self._add(t.untyped_storage(), "params")
@@ -77,7 +94,8 @@ class MemoryTracker(TorchDispatchMode):
         self.live[key] = (size, part)
         self.current[part] += size
         weakref.finalize(storage, self._free, key)
-        total = sum(self.current.values())
+        self.host_peak_bytes = max(self.host_peak_bytes, self.current["host"])
+        total = sum(self.current[p] for p in DEVICE_PARTS)
         if total > self.peak_bytes:
             self.peak_bytes = total
             self.peak_parts = dict(self.current)
@@ -101,7 +119,7 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._add(t.untyped_storage(), "activations")
+                self._add(t.untyped_storage(), "host" if getattr(_placement, "host", 0) else "activations")
         return out
 
     def __exit__(self, *exc):
@@ -136,7 +154,7 @@ def _tracked_step(step, model, inputs) -> MemoryTracker:
 
 def _parts(tracker: MemoryTracker) -> dict:
     return dict(params_bytes=tracker.peak_parts["params"], grads_bytes=tracker.peak_parts["grads"],
-                activations_bytes=tracker.peak_parts["activations"])
+                activations_bytes=tracker.peak_parts["activations"], host_peak_bytes=tracker.host_peak_bytes)
 
 
 def _clear_grads(model):

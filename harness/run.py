@@ -115,6 +115,7 @@ def _measure_cell(row: dict) -> dict:
 _MEASURED = {"method": "method", "device_name": "device_name", "measured_peak_bytes": "peak_bytes",
              "tracker_peak_bytes": "tracker_peak_bytes", "measured_params_bytes": "params_bytes",
              "measured_grads_bytes": "grads_bytes", "measured_activations_bytes": "activations_bytes",
+             "measured_host_peak_bytes": "host_peak_bytes",
              "reserved_bytes": "reserved_bytes", "nvml_used_bytes": "nvml_used_bytes",
              "step_time_ms": "step_time_ms", "step_time_iqr_ms": "step_time_iqr_ms"}
 
@@ -180,6 +181,11 @@ def summary(row: dict) -> str:
                  if row.get("step_time_ms") is not None else "")
     if row.get("compile_time_s") is not None:
         time_part += f"; compile {row['compile_time_s']:.1f} s"
+    if row.get("plan_host_bytes") is not None:
+        time_part += (f"\n  swap: {row['plan_swapped_count']} values, {_gb(row['plan_host_bytes'])} each way "
+                      f"(host peak measured {_gb(row.get('measured_host_peak_bytes'))}); step time at least "
+                      f"{row['plan_step_time_bound_s'] * 1e3:.1f} ms (compute {row['plan_compute_s'] * 1e3:.1f} ms), "
+                      f"prefetch {row['plan_prefetch']}")
     return "\n".join([
         head,
         measured_part + time_part,

@@ -120,17 +120,13 @@ class _Probe(fx.Interpreter):
             saved.append(t)
             return t
 
-        flops = FlopCounterMode(display=False) if self.cost_model == "flops" else None
+        flops = FlopCounterMode(display=False)  # for cost_model=flops, and every graph's ``flops``
         inputs = [t for t in tree_leaves(self._inputs(node)) if isinstance(t, torch.Tensor)]
         versions = [t._version for t in inputs]
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            if flops is not None:
-                with flops:
-                    result = super().run_node(node)
-            else:
-                result = super().run_node(node)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops:
+            result = super().run_node(node)
         wrote = any(t._version != v for t, v in zip(inputs, versions))
-        self._record(node, result, saved, flops.get_total_flops() if flops is not None else None, wrote)
+        self._record(node, result, saved, flops.get_total_flops(), wrote)
         return result
 
     def _inputs(self, node: fx.Node):
@@ -147,7 +143,7 @@ class _Probe(fx.Interpreter):
         aliased = [self._group(_storage(t)) for t in outputs if self._group(_storage(t)) is not None]
         if new:
             g = len(self.groups)
-            self.groups.append(dict(members=[], final=node, bytes=sum(s.nbytes() for s in new.values()), cost=0.0,
+            self.groups.append(dict(members=[], final=node, bytes=sum(s.nbytes() for s in new.values()), cost=0.0, flops=0,
                                     reads=set(), extra=0, params=0, kind=_kind(node, self.module)))
             for s in new.values():
                 self.group_of_storage[id(s)] = (weakref.ref(s), g)
@@ -160,6 +156,7 @@ class _Probe(fx.Interpreter):
         if wrote_in_place:
             group["final"] = node
         group["cost"] += _cost(node, self.module, self.cost_model, flop_count)
+        group["flops"] += flop_count
         group["params"] += _param_bytes(node, self.module)
         self.group_of[node.name] = g
         for t in saved:
@@ -193,6 +190,7 @@ class _Probe(fx.Interpreter):
             saved_extra_bytes=[g["extra"] for g in groups],
             param_bytes=[g["params"] for g in groups],
             scopes=[_scope(g["final"]) for g in groups],
+            flops=[g["flops"] for g in groups],
         )
         members = tuple(tuple(node.name for node in g["members"]) for g in groups)
         group_of = {name: i for i, names in enumerate(members) for name in names}

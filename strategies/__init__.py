@@ -33,6 +33,7 @@ _MODULES = {
     "torch_checkpoint_sequential": "strategies.torch_checkpoint_sequential",
     "ilp_optimal": "strategies.ilp_optimal",
     "torch_compile_budget": "strategies.torch_compile_budget",
+    "swap": "strategies.swap",
 }
 
 __all__ = ["Action", "Graph", "Inapplicable", "InfeasibleBudget", "Plan", "Prediction", "SolverTimeout",

@@ -40,7 +40,9 @@ class Graph:
     ``param_bytes[v]`` the parameters ``v``'s computation owns, whose gradients its backward makes.
     Both default to zero, as in seed 004, which leaves parameters out of the model. ``scopes[v]`` is the
     path of the module that computed ``v`` (``"layer1.0.conv1"``), when the graph was traced; strategies
-    that follow a net's own blocks read it.
+    that follow a net's own blocks read it. ``flops[v]`` counts the floating-point operations of ``v``'s
+    forward computation (traced graphs; hand-written ones default to ``cost``), for strategies that need
+    times rather than cost units (``swap``).
     """
 
     mem_bytes: tuple[int, ...]
@@ -52,6 +54,7 @@ class Graph:
     saved_extra_bytes: tuple[int, ...] | None = None
     param_bytes: tuple[int, ...] | None = None
     scopes: tuple[str, ...] | None = None
+    flops: tuple[float, ...] | None = None
     preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     pred_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -59,7 +62,7 @@ class Graph:
     ancestor_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __init__(self, mem_bytes, cost, edges, names=None, kinds=None, backward_reads=None,
-                 saved_extra_bytes=None, param_bytes=None, scopes=None):
+                 saved_extra_bytes=None, param_bytes=None, scopes=None, flops=None):
         n = len(mem_bytes)
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
         put("mem_bytes", tuple(int(m) for m in mem_bytes))
@@ -91,6 +94,7 @@ class Graph:
         params = param_bytes if param_bytes is not None else [0] * n
         put("param_bytes", tuple(int(b) for b in params))
         put("scopes", tuple(str(x) for x in scopes) if scopes is not None else tuple("" for _ in range(n)))
+        put("flops", tuple(float(f) for f in flops) if flops is not None else self.cost)
         _validate_backward(self)
 
     def __len__(self) -> int:
@@ -162,8 +166,9 @@ def _validate(graph: Graph) -> None:
 def _validate_backward(graph: Graph) -> None:
     n = len(graph)
     if (len(graph.backward_reads) != n or len(graph.saved_extra_bytes) != n or len(graph.param_bytes) != n
-            or len(graph.scopes) != n):
-        raise ValueError("Graph: backward_reads, saved_extra_bytes, param_bytes and scopes need one entry per node")
+            or len(graph.scopes) != n or len(graph.flops) != n):
+        raise ValueError("Graph: backward_reads, saved_extra_bytes, param_bytes, scopes and flops need one entry "
+                         "per node")
     for v, reads in enumerate(graph.backward_reads):
         for u in reads:
             if u != v and u not in graph.preds[v]:

@@ -45,8 +45,11 @@ class Plan:
     ``stages`` are the sets ``V_1..V_k`` (bitsets), the differences of an increasing chain of lower sets
     ``L_1 ⊊ ... ⊊ L_k = V`` (seed 004, section 3). ``kept`` holds the nodes whose forward value survives
     from the forward pass to the backward pass; every other node is freed after its last forward use and
-    recomputed, stage by stage, in the backward pass. ``info`` carries figures a strategy reports besides
-    its plan (for ``liveness_only``, the static memory plan's size).
+    recomputed, stage by stage, in the backward pass. ``swapped`` (a subset of ``kept``) holds the kept
+    values copied to host memory after their last forward use and copied back for the backward pass;
+    ``prefetch`` pairs each with the node whose backward starts its copy back (-1: when the backward pass
+    starts). ``info`` carries figures a strategy reports besides its plan (for ``liveness_only``, the
+    static memory plan's size).
     """
 
     strategy: str
@@ -57,6 +60,7 @@ class Plan:
     solve_time_s: float = 0.0
     info: dict[str, float] = field(default_factory=dict)
     schedule: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    prefetch: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_stages(cls, graph: Graph, stages: Iterable[Iterable[int] | int], *, strategy: str = "manual",
@@ -131,6 +135,13 @@ class Plan:
         if seen != graph.all_nodes:
             v = members(graph.all_nodes & ~seen)[0]
             raise ValueError(f"Plan: node {v} ({graph.names[v]}) is in no stage; the stages must cover V")
+        if self.swapped & ~self.kept:
+            v = members(self.swapped & ~self.kept)[0]
+            raise ValueError(f"Plan: node {v} ({graph.names[v]}) is swapped but not kept; only a kept value can "
+                             "go to host memory and come back")
+        if {u for u, _ in self.prefetch} != set(members(self.swapped)):
+            raise ValueError("Plan: prefetch must name each swapped node once, with the node whose backward "
+                             "starts its copy back")
         stage_of = self.stage_of(len(graph))
         for u in members(self.recomputed):
             for w in graph.succs[u]:

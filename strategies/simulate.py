@@ -24,6 +24,9 @@ PyTorch's reference-counted autograd does):
   its saved extras and every value no later backward reads. A stage none of whose discarded values is
   read by a backward is not recomputed at all; ``overhead_cost`` still follows equation (1), which charges
   every discarded value, so it is an upper bound on what the executor recomputes.
+- swapped values (``plan.swapped``) leave the device after their last forward use, as if the copy to host
+  kept up (``swap_step_time`` says whether it can), and come back when the backward of their
+  ``prefetch`` node starts (or when the backward pass starts); from then on they are like kept values.
 A plan with a general ``schedule`` (R, S) has one model, Checkmate's (``strategies/schedule.py``), whatever
 ``liveness`` says. Both return the same ``Prediction``; ``timeline`` exposes the event list so that other
 analyses (the static memory plan of ``liveness_only``) read the very schedule the peak came from.
@@ -40,9 +43,11 @@ from strategies.plan import InfeasibleBudget, Plan
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
-    peak_bytes: int
+    peak_bytes: int  # on the device
     overhead_cost: float
     liveness: bool
+    host_bytes: int = 0  # swapped values, all on the host at the turn from forward to backward
+    swap_bytes: int = 0  # copied each way (out in the forward pass, back in the backward pass)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +55,7 @@ class Step:
     """One computation of the replayed training step: what it allocates, then what it frees."""
 
     node: int
-    phase: str  # "forward", "recompute" or "backward"
+    phase: str  # "forward", "recompute", "swap_in" or "backward"
     allocs: tuple[tuple[tuple[str, int], int], ...]  # ((kind, node), bytes); kind: value/grad/extra/param_grad
     frees: tuple[tuple[str, int], ...]
 
@@ -67,7 +72,24 @@ def simulate(graph: Graph, plan: Plan, liveness: bool = True) -> Prediction:
         peak = peak_of(timeline(graph, plan))
     else:
         peak = equation_2_peak(graph, plan) + sum(graph.param_bytes)
-    return Prediction(peak_bytes=peak, overhead_cost=overhead, liveness=liveness)
+    swapped = graph.mem(plan.swapped)
+    return Prediction(peak_bytes=peak, overhead_cost=overhead, liveness=liveness, host_bytes=swapped,
+                      swap_bytes=swapped)
+
+
+def step_seconds(graph: Graph, phase: str, v: int, flops_per_s: float) -> float:
+    """A step's compute time by the roofline of FLOPs alone: a backward costs twice its forward."""
+    if v < 0 or phase == "swap_in":
+        return 0.0
+    return graph.flops[v] / flops_per_s * (2.0 if phase == "backward" else 1.0)
+
+
+def swap_step_time(graph: Graph, plan: Plan, bandwidth_bytes_per_s: float, flops_per_s: float) -> dict[str, float]:
+    """The step-time lower bound of a plan that swaps: max(compute, bytes out / bandwidth, bytes in /
+    bandwidth), with its three terms, in seconds (``../shared/spec/swap_liveness.md`` section 3.4)."""
+    compute = sum(step_seconds(graph, s.phase, s.node, flops_per_s) for s in timeline(graph, plan))
+    moved = graph.mem(plan.swapped) / bandwidth_bytes_per_s
+    return {"compute_s": compute, "swap_out_s": moved, "swap_in_s": moved, "step_time_bound_s": max(compute, moved)}
 
 
 def check_budget(graph: Graph, plan: Plan, budget_bytes: int | None) -> None:
@@ -96,7 +118,7 @@ def peak_of(steps: list[Step]) -> int:
 def equation_2_peak(graph: Graph, plan: Plan) -> int:
     peak, lower = 0, 0
     for stage in plan.stages:
-        cached_before = graph.mem(plan.kept & lower)  # term (i)
+        cached_before = graph.mem(plan.kept & ~plan.swapped & lower)  # term (i); swapped values are on the host
         lower |= stage
         later = graph.out_neighbours(lower) & ~lower  # δ⁺(L_i) \ L_i
         others = graph.in_neighbours(later) & ~lower  # δ⁻(δ⁺(L_i) \ L_i) \ L_i
@@ -120,14 +142,16 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
     recompute_stages = [{stage_of[w] for w in graph.succs[u] if discarded >> w & 1} & needed
                         if kept >> u & 1 else set() for u in range(n)]
     order = sorted(range(n), key=lambda v: (stage_of[v], v))  # stage by stage, as the executor runs
-    steps = _forward(graph, order, kept, readers, recompute_stages)
+    for u in members(plan.swapped):
+        assert not recompute_stages[u], f"simulator: swapped node {u} is read by a recomputation; it must stay"
+    steps = _forward(graph, order, kept, plan.swapped, readers, recompute_stages)
     steps += _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages)
     return steps
 
 
-def _forward(graph, order, kept, readers, recompute_stages) -> list[Step]:
-    def held(u):
-        return kept >> u & 1 and (readers[u] or recompute_stages[u])
+def _forward(graph, order, kept, swapped, readers, recompute_stages) -> list[Step]:
+    def held(u):  # on the device into the backward pass
+        return kept >> u & 1 and not swapped >> u & 1 and (readers[u] or recompute_stages[u])
 
     uses_left = [len(s) for s in graph.succs]
     steps = []
@@ -150,7 +174,12 @@ def _forward(graph, order, kept, readers, recompute_stages) -> list[Step]:
 
 def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages) -> list[Step]:
     n = len(graph)
-    present = [bool(plan.kept >> u & 1 and (readers[u] or recompute_stages[u])) for u in range(n)]
+    resident = plan.kept & ~plan.swapped
+    present = [bool(resident >> u & 1 and (readers[u] or recompute_stages[u])) for u in range(n)]
+    fetched_at: dict[int, list[int]] = {}  # backward node (-1: the start) -> the swapped values it fetches
+    for u, trigger in plan.prefetch:
+        if readers[u]:
+            fetched_at.setdefault(trigger, []).append(u)
     readers_left = [len(r) for r in readers]
     stages_left = [set(s) for s in recompute_stages]
     grad_live = [False] * n
@@ -161,14 +190,24 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
             present[u] = False
             frees.append(("value", u))
 
+    def fetch(trigger):
+        for u in fetched_at.get(trigger, ()):
+            present[u] = True
+        return [(("value", u), graph.mem_bytes[u]) for u in fetched_at.get(trigger, ())]
+
     sinks = [v for v in range(n) if not graph.succs[v]]
     for v in sinks:  # the loss's gradient with respect to each output
         grad_live[v] = True
-    steps.append(Step(-1, "backward", tuple((("grad", v), graph.mem_bytes[v]) for v in sinks), ()))
+    steps.append(Step(-1, "backward", tuple([*fetch(-1), *((("grad", v), graph.mem_bytes[v]) for v in sinks)]), ()))
     recomputed = set()
     extras_present = [bool(graph.saved_extra_bytes[v] and plan.kept >> v & 1) for v in range(n)]
     for v in reversed(order):
+        fetched = fetch(v)
+        if fetched:
+            steps.append(Step(v, "swap_in", tuple(fetched), ()))
         missing = {stage_of[u] for u in graph.backward_reads[v] if not present[u]}
+        assert all(present[u] for u in graph.backward_reads[v] if plan.swapped >> u & 1), \
+            f"simulator: the backward of node {v} reads a swapped value before its prefetch"
         if graph.saved_extra_bytes[v] and not extras_present[v]:
             missing.add(stage_of[v])
         for s in sorted(missing - recomputed):

@@ -50,6 +50,12 @@ def plans(graph, structure):
             continue
         if name == "torch_compile_budget":  # checked in float64 (tests/test_peers.py): its decompositions round
             continue                        # differently in float32, which small-batch BatchNorm amplifies
+        if name == "swap":  # every value swapped, at once and on a recomputation plan
+            swapped = strategies.solve(name, graph, min_bytes=0)
+            assert swapped.swapped, "swap must swap something on a zoo net"
+            yield name, swapped
+            yield "swap+approx_dp", strategies.solve(name, graph, min_bytes=0, base="approx_dp")
+            continue
         try:
             yield name, strategies.solve(name, graph, **peers.zoo_options(name, structure))
         except strategies.Inapplicable:

@@ -1,0 +1,160 @@
+"""``swap``: offload activations to host memory (Meng et al. 2017, seed 001), alone or on a recomputation plan.
+
+A value kept for the backward pass is copied to the host after its last forward use and copied back
+before the first backward that reads it, instead of being recomputed. The plan starts from ``base`` (a
+strategy's plan at its own default budget; none: ``vanilla``, everything kept) and decides:
+- which values go, by seed 001's rule: walking the forward pass from the loss backwards, the short-lived
+  values near the loss stay on the device and the long-lived ones are swapped first. So the swapped set
+  is the first ``m`` candidates in forward order, with ``m`` the least that meets the budget (bisected;
+  ``budget=None`` swaps every candidate: the least memory swap reaches). Candidates are kept values that
+  some backward reads, of at least ``min_bytes``; parameters are not values, and a checkpoint that a
+  recomputation reads stays on the device;
+- when each comes back: as late as possible while its copy still hides behind computation. Copies come
+  back one at a time at ``bandwidth_gbps``, in the order the backward pass needs them; a step's time is
+  its FLOPs at ``compute_tflops`` (a backward twice its forward). The copy starts with the backward of
+  the latest node that begins before the copy must. When those prefetches raise the peak above the budget,
+  every copy starts just in time instead, at the backward that needs it (the copies then stall the step).
+``info`` reports host bytes, bytes moved each way, the compute time and the step-time lower bound
+max(compute, bytes out / bandwidth, bytes in / bandwidth) (``simulate.swap_step_time``).
+O(log |V|) liveness replays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from strategies.graph import Graph, members
+from strategies.plan import Inapplicable, InfeasibleBudget, Plan
+from strategies.simulate import simulate, step_seconds, swap_step_time, timeline
+
+# Budgets are judged by simulate(..., liveness=True): the executor frees and fetches value by value.
+BUDGET_LIVENESS = True
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    base: str | None = None  # the recomputation strategy swap starts from (approx_dp, ...); None: vanilla
+    base_options: dict = field(default_factory=dict)  # its options, e.g. {"mode": "mc"}
+    bandwidth_gbps: float = 50.0  # host link, each way (PCIe 5.0 x16 reaches about 50 GB/s)
+    compute_tflops: float = 100.0  # the device's achieved throughput, for the copies' timing
+    min_bytes: int = 1 << 20  # smaller values stay: per-copy overhead beats the bandwidth
+
+
+def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = None) -> Plan:
+    options = options or Options()
+    if not options.bandwidth_gbps > 0:
+        raise ValueError(f"swap: bandwidth_gbps must be positive (GB/s each way), got {options.bandwidth_gbps}")
+    if not options.compute_tflops > 0:
+        raise ValueError(f"swap: compute_tflops must be positive, got {options.compute_tflops}")
+    base = _base_plan(graph, options)
+    candidates = _candidates(graph, base, options.min_bytes)
+    bandwidth, flops_per_s = options.bandwidth_gbps * 1e9, options.compute_tflops * 1e12
+
+    def plan_with(count: int) -> Plan:
+        """The base plan with the first ``count`` candidates swapped: prefetched hidden where that meets the
+        budget (no budget: where that reaches the least peak), else just in time."""
+        swapped = candidates[:count]
+        on_time = _with_swaps(base, swapped, _just_in_time_triggers(graph, base, swapped), "just_in_time")
+        hidden = _with_swaps(base, swapped, _hidden_triggers(graph, base, swapped, bandwidth, flops_per_s),
+                             "hidden")
+        target = simulate(graph, on_time).peak_bytes if budget_bytes is None else budget_bytes
+        return hidden if simulate(graph, hidden).peak_bytes <= target else on_time
+
+    def fits(count: int) -> bool:
+        return simulate(graph, plan_with(count)).peak_bytes <= budget_bytes
+
+    if budget_bytes is None:
+        count = len(candidates)
+    elif not fits(len(candidates)):
+        raise InfeasibleBudget(budget_bytes, simulate(graph, plan_with(len(candidates))).peak_bytes, "swap")
+    else:
+        low, high = -1, len(candidates)  # fits(high); the peak falls as more go, so bisect for the least
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if fits(middle) else (middle, high)
+        count = high
+    plan = plan_with(count)
+    prediction = simulate(graph, plan)
+    times = swap_step_time(graph, plan, bandwidth, flops_per_s)
+    info = {**{k: v for k, v in base.info.items() if isinstance(v, (int, float, str))},
+            "base": options.base or "vanilla", "candidates": len(candidates), "swapped_count": count,
+            "host_bytes": prediction.host_bytes, "swap_out_bytes": prediction.swap_bytes,
+            "swap_in_bytes": prediction.swap_bytes, **times, "prefetch": plan.info["prefetch"]}
+    return dataclasses.replace(plan, strategy="swap", budget_bytes=budget_bytes, info=info)
+
+
+def _base_plan(graph: Graph, options: Options) -> Plan:
+    if options.base is None:
+        return Plan.from_stages(graph, [graph.all_nodes], strategy="vanilla", kept=graph.all_nodes)
+    if options.base == "swap":
+        raise ValueError("swap: base must be a recomputation strategy (approx_dp, exact_dp, chen_sqrt, ...), "
+                         "not swap itself")
+    from strategies import solve as solve_strategy  # the registry imports this module
+
+    base = solve_strategy(options.base, graph, None, **options.base_options)
+    if base.schedule is not None or base.info.get("runner"):
+        raise Inapplicable(f"swap: base {options.base!r} is not a stage plan the executor runs; choose a "
+                           "recomputation strategy such as approx_dp, exact_dp, chen_sqrt or chen_greedy")
+    return base
+
+
+def _candidates(graph: Graph, base: Plan, min_bytes: int) -> list[int]:
+    """Kept values a backward reads, big enough, read by no recomputation; in forward (execution) order."""
+    read_by_backward = {u for reads in graph.backward_reads for u in reads}
+    stage_of = base.stage_of(len(graph))
+    return sorted((u for u in members(base.kept) if u in read_by_backward and graph.mem_bytes[u] >= min_bytes
+                   and not graph.succ_mask[u] & base.recomputed),
+                  key=lambda u: (stage_of[u], u))
+
+
+def _with_swaps(base: Plan, swapped: list[int], triggers: dict[int, int], prefetch: str) -> Plan:
+    return dataclasses.replace(base, swapped=sum(1 << u for u in swapped),
+                               prefetch=tuple((u, triggers[u]) for u in swapped), info={"prefetch": prefetch})
+
+
+def _backward_steps(graph: Graph, base: Plan, swapped: list[int]) -> list:
+    """The backward pass's steps (after the forward ones) of the base plan with ``swapped`` on the host."""
+    plan = _with_swaps(base, swapped, dict.fromkeys(swapped, -1), "")
+    steps = timeline(graph, plan)
+    first = next(i for i, step in enumerate(steps) if step.phase != "forward")
+    return steps[first:]
+
+
+def _first_reader(graph: Graph, steps: list) -> dict[int, int]:
+    """Each value's first backward step (index into ``steps``) that reads it."""
+    first = {}
+    for i, step in enumerate(steps):
+        if step.phase == "backward" and step.node >= 0:
+            for u in graph.backward_reads[step.node]:
+                first.setdefault(u, i)
+    return first
+
+
+def _hidden_triggers(graph: Graph, base: Plan, swapped: list[int], bandwidth: float,
+                     flops_per_s: float) -> dict[int, int]:
+    """Each swapped value's prefetch trigger: the backward node whose start the copy back must follow so
+    that it ends, at the latest, when the first step that reads the value starts (-1: the backward pass's
+    start). The copies share one link, in the order they are needed, scheduled back to front."""
+    steps = _backward_steps(graph, base, swapped)
+    starts, now = [], 0.0
+    for step in steps:
+        starts.append(now)
+        now += step_seconds(graph, step.phase, step.node, flops_per_s)
+    need = _first_reader(graph, steps)
+    triggers, link_free_from = {}, float("inf")
+    for u in sorted(swapped, key=lambda u: need[u], reverse=True):
+        end = min(starts[need[u]], link_free_from)
+        begin = end - graph.mem_bytes[u] / bandwidth
+        link_free_from = begin
+        at = max((i for i in range(need[u] + 1) if starts[i] <= begin and steps[i].phase == "backward"),
+                 default=0)
+        triggers[u] = steps[at].node  # the first step is the backward pass's start, node -1
+    return triggers
+
+
+def _just_in_time_triggers(graph: Graph, base: Plan, swapped: list[int]) -> dict[int, int]:
+    """Each swapped value comes back when the first backward that reads it starts."""
+    steps = _backward_steps(graph, base, swapped)
+    need = _first_reader(graph, steps)
+    return {u: steps[need[u]].node for u in swapped}
