@@ -114,7 +114,6 @@ class _Step:
     needs_grad: dict[str, bool] = field(default_factory=dict)  # fx node -> whether its output required grad
     host_copies: dict[int, tuple[weakref.ref, _HostCopy]] = field(default_factory=dict)  # storage id -> copy
     swapped_groups: dict[int, list[_HostCopy]] = field(default_factory=dict)  # swapped group -> its copies
-    late_fetches: int = 0  # tokens unpacked before their prefetch
 
     def __post_init__(self):
         graph = self.traced.graph
@@ -127,7 +126,6 @@ class _Step:
         self.fetch_at: dict[int, list[int]] = {}  # trigger node (-1: end of forward) -> swapped groups
         for g, trigger in self.plan.prefetch:
             self.fetch_at.setdefault(trigger, []).append(g)
-        graph = self.traced.graph
         self.streams = _SwapStreams(sum(graph.mem_bytes[g] + _ALIGN for g in self.swapped))
         self.cached_names: dict[int, set[str]] = {}  # kept group -> its fx nodes that recomputation reads
         for name in (n for g in self.discarded for n in self.traced.members[g]):
@@ -281,8 +279,7 @@ class _Step:
 
     def _swapped_in(self, saved: _Saved) -> torch.Tensor:
         copy = saved.swapped
-        if copy.fetched is None:
-            self.late_fetches += 1
+        if copy.fetched is None:  # before its prefetch (or its trigger has no grad_fn): a stall
             self._fetch([saved.group])
         self.streams.wait(copy.copied_in)
         size, stride, offset, dtype = saved.geometry

@@ -54,7 +54,8 @@ def _ratio(value, unit) -> float:
 def strategies_table(rows: pd.DataFrame) -> pd.DataFrame:
     """Per net and strategy: measured and predicted peak, reduction against vanilla, beside seed 004."""
     rows = rows[rows.status == "ok"].copy()
-    rows["mode"] = [options.get("mode", "") for options in rows.options]
+    rows["mode"] = [options.get("mode") or (f"on {options['base']}" if options.get("base") else "")
+                    for options in rows.options]
     out = []
     for net in nets.available():
         cells = rows[rows.net == net]
@@ -73,6 +74,7 @@ def strategies_table(rows: pd.DataFrame) -> pd.DataFrame:
                 "predicted GB": _ratio(row.predicted_peak_bytes, GB),  # none for torch.compile's peer
                 "model (no liveness) GB": _ratio(row.predicted_peak_no_liveness_bytes, GB),
                 "overhead / forward": _ratio(row.predicted_overhead_cost, row.total_cost),
+                "host GB": _ratio(row.get("plan_host_bytes"), GB),  # swap's copies
                 "solve s": row.solve_time_s,
                 "paper GB": published,
                 "paper vs vanilla": (f"{100 * (published / paper[('vanilla', '')] - 1):+.0f}%"
