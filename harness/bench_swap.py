@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -111,7 +112,7 @@ def main(argv=None):
                         "seed 001 (M40, TF r1.2)": paper if paper is not None else ""})
     nets = args.nets.split(",")
     peaks = [row for name in tqdm(nets, desc="ResNets at batch 32") for row in resnet_rows(name, args.device)]
-    command = "python -m harness.bench_swap " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    command = "python -m harness.bench_swap " + " ".join(argv if argv is not None else sys.argv[1:])
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "meta (tracker)"
     table_1, table_2 = pd.DataFrame(batches), pd.DataFrame(peaks)
     memory_columns = ["net", "blocks", "strategy", "batch", "measured GB", "predicted GB", "host GB", "seed 001 MB"]

@@ -46,8 +46,8 @@ class Prediction:
     peak_bytes: int  # on the device
     overhead_cost: float
     liveness: bool
-    host_bytes: int = 0  # swapped values, all on the host at the turn from forward to backward
-    swap_bytes: int = 0  # copied each way (out in the forward pass, back in the backward pass)
+    host_bytes: int = 0  # swapped values, all on the host at the turn from forward to backward; each is
+                         # copied once each way, so this is also the bytes moved out and the bytes moved in
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +72,8 @@ def simulate(graph: Graph, plan: Plan, liveness: bool = True) -> Prediction:
         peak = peak_of(timeline(graph, plan))
     else:
         peak = equation_2_peak(graph, plan) + sum(graph.param_bytes)
-    swapped = graph.mem(plan.swapped)
-    return Prediction(peak_bytes=peak, overhead_cost=overhead, liveness=liveness, host_bytes=swapped,
-                      swap_bytes=swapped)
+    return Prediction(peak_bytes=peak, overhead_cost=overhead, liveness=liveness,
+                      host_bytes=graph.mem(plan.swapped))
 
 
 def step_seconds(graph: Graph, phase: str, v: int, flops_per_s: float) -> float:

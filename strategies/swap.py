@@ -21,6 +21,7 @@ O(log |V|) liveness replays.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -51,36 +52,37 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
     candidates = _candidates(graph, base, options.min_bytes)
     bandwidth, flops_per_s = options.bandwidth_gbps * 1e9, options.compute_tflops * 1e12
 
-    def plan_with(count: int) -> Plan:
-        """The base plan with the first ``count`` candidates swapped: prefetched hidden where that meets the
-        budget (no budget: where that reaches the least peak), else just in time."""
+    def plan_with(count: int) -> tuple[Plan, int]:
+        """The base plan with the first ``count`` candidates swapped, and its peak: prefetched hidden where
+        that meets the budget (no budget: where that reaches the least peak), else just in time."""
         swapped = candidates[:count]
-        on_time = _with_swaps(base, swapped, _just_in_time_triggers(graph, base, swapped), "just_in_time")
-        hidden = _with_swaps(base, swapped, _hidden_triggers(graph, base, swapped, bandwidth, flops_per_s),
+        steps = _backward_steps(graph, base, swapped)
+        need = _first_reader(graph, steps)
+        on_time = _with_swaps(base, swapped, {u: steps[need[u]].node for u in swapped}, "just_in_time")
+        hidden = _with_swaps(base, swapped, _hidden_triggers(graph, steps, need, swapped, bandwidth, flops_per_s),
                              "hidden")
-        target = simulate(graph, on_time).peak_bytes if budget_bytes is None else budget_bytes
-        return hidden if simulate(graph, hidden).peak_bytes <= target else on_time
+        on_time_peak, hidden_peak = simulate(graph, on_time).peak_bytes, simulate(graph, hidden).peak_bytes
+        target = on_time_peak if budget_bytes is None else budget_bytes
+        return (hidden, hidden_peak) if hidden_peak <= target else (on_time, on_time_peak)
 
-    def fits(count: int) -> bool:
-        return simulate(graph, plan_with(count)).peak_bytes <= budget_bytes
-
-    if budget_bytes is None:
-        count = len(candidates)
-    elif not fits(len(candidates)):
-        raise InfeasibleBudget(budget_bytes, simulate(graph, plan_with(len(candidates))).peak_bytes, "swap")
-    else:
-        low, high = -1, len(candidates)  # fits(high); the peak falls as more go, so bisect for the least
+    plan, peak = plan_with(len(candidates))
+    if budget_bytes is not None:
+        if peak > budget_bytes:
+            raise InfeasibleBudget(budget_bytes, peak, "swap")
+        low, high = -1, len(candidates)  # plan fits with high; the peak falls as more go, so bisect for the least
         while high - low > 1:
             middle = (low + high) // 2
-            low, high = (low, middle) if fits(middle) else (middle, high)
-        count = high
-    plan = plan_with(count)
-    prediction = simulate(graph, plan)
-    times = swap_step_time(graph, plan, bandwidth, flops_per_s)
+            candidate, peak = plan_with(middle)
+            if peak <= budget_bytes:
+                plan, high = candidate, middle
+            else:
+                low = middle
+    host_bytes = graph.mem(plan.swapped)
     info = {**{k: v for k, v in base.info.items() if isinstance(v, (int, float, str))},
-            "base": options.base or "vanilla", "candidates": len(candidates), "swapped_count": count,
-            "host_bytes": prediction.host_bytes, "swap_out_bytes": prediction.swap_bytes,
-            "swap_in_bytes": prediction.swap_bytes, **times, "prefetch": plan.info["prefetch"]}
+            "base": options.base or "vanilla", "candidates": len(candidates),
+            "swapped_count": bin(plan.swapped).count("1"), "host_bytes": host_bytes, "swap_out_bytes": host_bytes,
+            "swap_in_bytes": host_bytes, **swap_step_time(graph, plan, bandwidth, flops_per_s),
+            "prefetch": plan.info["prefetch"]}
     return dataclasses.replace(plan, strategy="swap", budget_bytes=budget_bytes, info=info)
 
 
@@ -131,30 +133,23 @@ def _first_reader(graph: Graph, steps: list) -> dict[int, int]:
     return first
 
 
-def _hidden_triggers(graph: Graph, base: Plan, swapped: list[int], bandwidth: float,
+def _hidden_triggers(graph: Graph, steps: list, need: dict[int, int], swapped: list[int], bandwidth: float,
                      flops_per_s: float) -> dict[int, int]:
     """Each swapped value's prefetch trigger: the backward node whose start the copy back must follow so
-    that it ends, at the latest, when the first step that reads the value starts (-1: the backward pass's
-    start). The copies share one link, in the order they are needed, scheduled back to front."""
-    steps = _backward_steps(graph, base, swapped)
+    that it ends, at the latest, when the first step that reads the value (``need``, into the backward
+    ``steps``) starts (-1: the backward pass's start). The copies share one link, in the order they are
+    needed, scheduled back to front."""
     starts, now = [], 0.0
     for step in steps:
         starts.append(now)
         now += step_seconds(graph, step.phase, step.node, flops_per_s)
-    need = _first_reader(graph, steps)
     triggers, link_free_from = {}, float("inf")
     for u in sorted(swapped, key=lambda u: need[u], reverse=True):
         end = min(starts[need[u]], link_free_from)
         begin = end - graph.mem_bytes[u] / bandwidth
         link_free_from = begin
-        at = max((i for i in range(need[u] + 1) if starts[i] <= begin and steps[i].phase == "backward"),
-                 default=0)
+        at = max(bisect.bisect_right(starts, begin, 0, need[u] + 1) - 1, 0)  # the last step starting by then
+        while steps[at].phase != "backward":  # a recomputation has no grad_fn to hook
+            at -= 1
         triggers[u] = steps[at].node  # the first step is the backward pass's start, node -1
     return triggers
-
-
-def _just_in_time_triggers(graph: Graph, base: Plan, swapped: list[int]) -> dict[int, int]:
-    """Each swapped value comes back when the first backward that reads it starts."""
-    steps = _backward_steps(graph, base, swapped)
-    need = _first_reader(graph, steps)
-    return {u: steps[need[u]].node for u in swapped}
