@@ -4,7 +4,12 @@
 - ``spine``: per net, the graph's size beside seed 004's #V and the measured and predicted peaks of
   ``vanilla`` and ``liveness_only`` beside the paper's vanilla figure;
 - ``strategies``: per net and strategy, measured and predicted peaks and the reduction against vanilla,
-  beside seed 004's Table 1.
+  beside seed 004's Table 1;
+- ``table1``: seed 004's Table 1 (peak GB and reduction against vanilla at the paper's sizes, DPs at their
+  minimal budget) with ours beside each published cell: predicted, measured on meta, measured on cuda;
+- ``table2``: seed 004's Table 2 (appendix C, no liveness analysis) beside the simulator's no-liveness replay.
+
+``WriteTable`` is a Hydra callback that writes a table when a sweep ends (``configs/sweep/table1.yaml``).
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ import datetime
 from pathlib import Path
 
 import pandas as pd
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 
 from harness import nets
-from harness.paper_numbers import TABLE1_GB
+from harness.paper_numbers import K40C_GB, OUT_OF_MEMORY, TABLE1_GB, TABLE2_GB
 from harness.results import load_results
 
 GB = 1e9
@@ -84,7 +91,94 @@ def strategies_table(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-TABLES = {"spine": spine_table, "strategies": strategies_table}
+# Seed 004's columns, then ours; labels as ``_label`` makes them.
+PAPER_ORDER = ("approx_dp (mc)", "approx_dp (tc)", "exact_dp (mc)", "exact_dp (tc)", "chen_sqrt", "vanilla",
+               "liveness_only", "chen_greedy", "swap")
+
+
+def _label(strategy: str, options: dict) -> tuple[str, str]:
+    """(label, mode): ``approx_dp (mc)``, ``swap (on approx_dp)``, ``vanilla``."""
+    mode = options.get("mode") or (f"on {options['base']}" if options.get("base") else "")
+    return strategy + (f" ({mode})" if mode else ""), mode
+
+
+def _latest_cells(rows: pd.DataFrame, device: str) -> dict[tuple[str, str], pd.Series]:
+    """The newest row of each (net, label) on ``device`` at the net's paper sizes and the minimal budget."""
+    cells = {}
+    for _, row in rows[rows.device == device].sort_values("timestamp").iterrows():
+        spec = nets.spec(row.net)
+        if (row.batch_size, row.image_size, row.cost_model) != (spec.batch_size, spec.image_size, "paper"):
+            continue
+        if row.budget_bytes is not None and not pd.isna(row.budget_bytes):
+            continue
+        cells[(row.net, _label(row.strategy, row.options)[0])] = row
+    return cells
+
+
+def _peak(row) -> str | float:
+    """A measured peak in GB, or the status where the run did not produce one (oom, infeasible, ...)."""
+    if row is None:
+        return float("nan")
+    return row.measured_peak_bytes / GB if row.status == "ok" else row.status
+
+
+def _vs(value, reference) -> str:
+    ok = isinstance(value, float) and isinstance(reference, float) and reference > 0 and value == value
+    return f"{100 * (value / reference - 1):+.0f}%" if ok else ""
+
+
+def _paper_cell(published: dict, key: tuple[str, str]) -> tuple[str | float, str]:
+    value = published.get(key)
+    if value is None:
+        return float("nan"), ""
+    if value == OUT_OF_MEMORY:
+        return f">={K40C_GB}", "oom"
+    return value, _vs(value, published[("vanilla", "")])
+
+
+def _ordered_labels(cells: dict, net: str) -> list[str]:
+    labels = {label for (n, label) in cells if n == net}
+    return [label for label in PAPER_ORDER if label in labels] + sorted(labels - set(PAPER_ORDER))
+
+
+def table1(rows: pd.DataFrame) -> pd.DataFrame:
+    """Seed 004's Table 1 with ours beside each cell: the simulator's prediction, and the measured peak on
+    every device that has rows (meta: the tracker's live bytes; cuda: the allocator's peak)."""
+    rows = rows[rows.strategy.isin({label.split(" ")[0] for label in PAPER_ORDER})]
+    devices = [d for d in ("meta", "cpu", "cuda") if d in set(rows.device)]
+    by_device = {device: _latest_cells(rows, device) for device in devices}
+    out = []
+    for net in _paper_net_order():
+        labels = _ordered_labels({k: v for cells in by_device.values() for k, v in cells.items()}, net)
+        vanilla = {device: _peak(cells.get((net, "vanilla"))) for device, cells in by_device.items()}
+        for label in labels:
+            any_row = next(cells[(net, label)] for cells in by_device.values() if (net, label) in cells)
+            paper_gb, paper_vs = _paper_cell(TABLE1_GB.get(net, {}), _paper_key(label))
+            line = {"net": net, "strategy": label, "batch": any_row.batch_size,
+                    "paper GB": paper_gb, "paper vs vanilla": paper_vs,
+                    "predicted GB": _ratio(any_row.get("predicted_peak_bytes"), GB)}
+            for device, cells in by_device.items():
+                row = cells.get((net, label))
+                line[f"{device} GB"] = _peak(row)
+                line[f"{device} vs vanilla"] = _vs(line[f"{device} GB"], vanilla[device])
+                if device == "cuda":
+                    line["cuda step ms"] = (row.step_time_ms if row is not None and row.status == "ok"
+                                            else float("nan"))
+            line["overhead / forward"] = _ratio(any_row.get("predicted_overhead_cost"), any_row.total_cost)
+            out.append(line)
+    return pd.DataFrame(out)
+
+
+def _paper_net_order() -> list[str]:
+    return [*TABLE1_GB, *(net for net in nets.available() if net not in TABLE1_GB)]
+
+
+def _paper_key(label: str) -> tuple[str, str]:
+    strategy, _, mode = label.partition(" (")
+    return strategy, mode.rstrip(")") if mode in ("mc)", "tc)") else ""
+
+
+TABLES = {"spine": spine_table, "strategies": strategies_table, "table1": table1}
 
 
 def write(table: pd.DataFrame, stem: Path, command: str) -> None:
@@ -93,6 +187,23 @@ def write(table: pd.DataFrame, stem: Path, command: str) -> None:
     header = (f"Made by `{command}` on {datetime.date.today().isoformat()}; device and method in each row. "
               "Peaks in decimal GB, parameters, buffers and the input batch included.\n\n")
     stem.with_suffix(".md").write_text(header + table.to_markdown(index=False, floatfmt=".2f") + "\n")
+
+
+class WriteTable(Callback):
+    """Hydra callback: when a sweep ends, write ``table`` from the rows in its ``results_dir`` to ``out``
+    (``.md`` and ``.csv``), with the command that made it."""
+
+    def __init__(self, table: str, out: str) -> None:
+        if table not in TABLES:
+            raise ValueError(f"unknown table {table!r}; valid: {', '.join(sorted(TABLES))}")
+        self.table, self.out = table, Path(out)
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        HydraConfig.instance().set_config(config)  # results_dir may name ${hydra:runtime.cwd}
+        rows = load_results(config.results_dir)
+        command = "python -m harness " + " ".join(config.hydra.overrides.task)
+        write(TABLES[self.table](rows), self.out, command)
+        print(f"{self.table}: {self.out.with_suffix('.md')}")
 
 
 def main(argv=None) -> None:
