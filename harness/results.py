@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: rows carry predicted_step_flops; resume re-runs rows of an older version
 STATUSES = ("ok", "oom", "infeasible", "timeout", "error")
 
 

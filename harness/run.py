@@ -23,6 +23,7 @@ from harness.execute import execute
 from harness.measure import check_device, measure
 from harness.results import SCHEMA_VERSION, cell_name, read_row, write_row
 from harness.trace import COST_MODELS, trace
+from strategies.simulate import step_flops
 
 log = logging.getLogger(__name__)
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +50,7 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
     nets.check_sizes(net, row["batch_size"], row["image_size"])
     if resume and results_dir is not None and (Path(results_dir) / cell_name(row)).exists():
         done = read_row(Path(results_dir) / cell_name(row))
-        if done.get("status") in ("ok", "oom", "infeasible", "timeout"):
+        if done.get("status") in ("ok", "oom", "infeasible", "timeout") and done.get("schema_version") == SCHEMA_VERSION:
             log.info("%s: already measured (%s), skipped", cell_name(row), done["status"])
             return done
     start = time.perf_counter()
@@ -105,6 +106,7 @@ def _measure_cell(row: dict) -> dict:
         "predicted_peak_bytes": predicted.peak_bytes + static_bytes if predicts else None,
         "predicted_peak_no_liveness_bytes": predicted_no_liveness.peak_bytes + static_bytes if predicts else None,
         "predicted_overhead_cost": predicted.overhead_cost if predicts else None, "total_cost": sum(graph.cost),
+        "predicted_step_flops": step_flops(graph, plan) if predicts and plan.schedule is None else None,
         "static_bytes": static_bytes, "node_count": len(graph), "layer_count": len(traced.group_of),
         "stage_count": len(plan.stages), "recomputed_node_count": bin(plan.recomputed).count("1"),
         "solve_time_s": plan.solve_time_s, **{f"plan_{key}": value for key, value in plan.info.items()},

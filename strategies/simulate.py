@@ -83,10 +83,16 @@ def step_seconds(graph: Graph, phase: str, v: int, flops_per_s: float) -> float:
     return graph.flops[v] / flops_per_s * (2.0 if phase == "backward" else 1.0)
 
 
+def step_flops(graph: Graph, plan: Plan) -> float:
+    """The FLOPs of one training step under ``plan``: the forward, every recomputation, and the backward at
+    twice its forward (the cost model behind predicted step times)."""
+    return sum(step_seconds(graph, s.phase, s.node, 1.0) for s in timeline(graph, plan))
+
+
 def swap_step_time(graph: Graph, plan: Plan, bandwidth_bytes_per_s: float, flops_per_s: float) -> dict[str, float]:
     """The step-time lower bound of a plan that swaps: max(compute, bytes out / bandwidth, bytes in /
     bandwidth), with its three terms, in seconds (``../shared/spec/swap_liveness.md`` section 3.4)."""
-    compute = sum(step_seconds(graph, s.phase, s.node, flops_per_s) for s in timeline(graph, plan))
+    compute = step_flops(graph, plan) / flops_per_s
     moved = graph.mem(plan.swapped) / bandwidth_bytes_per_s
     return {"compute_s": compute, "swap_out_s": moved, "swap_in_s": moved, "step_time_bound_s": max(compute, moved)}
 

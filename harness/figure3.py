@@ -1,0 +1,147 @@
+"""Seed 004's Figure 3, step time against batch size: ``python -m harness.figure3 OUT_STEM [--device cuda]``.
+
+Per net (ResNet-152 and PSPNet by default), over batch sizes beyond vanilla's largest, on a device of
+``--memory`` (11.4 GB, the paper's K40c): ``vanilla`` where it fits, with its straight-line fit extended
+over every batch (the paper's extrapolation), ``approx_dp`` time-centric with the memory as its budget,
+``approx_dp`` memory-centric at its minimal budget, and Chen's sqrt(n) (``chen_sqrt``, the paper's "Chen's").
+A point is drawn where its run is ``ok`` and its measured peak is within the memory; a curve stops at its
+first batch that does not fit (larger ones are not run).
+
+The time axis: on ``cuda`` the measured step time (median of the timed steps, CUDA events); on ``meta`` the
+cost model's prediction, the FLOPs of one step (forward, recomputation, backward at twice its forward;
+``predicted_step_flops``), in TFLOP. The plot's axis and title say which. Every run's row lands in
+``--rows`` (resumable); writes ``OUT_STEM.csv``, ``.md`` and one PNG per net, ``OUT_STEM_NET.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from harness.budget import parse_budget  # noqa: E402
+from harness.max_batch import cell_budget, fits, label  # noqa: E402
+from harness.run import run_cell  # noqa: E402
+
+BATCHES = {"resnet152": [16, 32, 48, 64, 96, 128, 160, 192, 224, 256], "pspnet": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}
+CURVES = [("vanilla", {}), ("approx_dp", {"mode": "tc"}), ("approx_dp", {"mode": "mc"}), ("chen_sqrt", {})]
+
+
+def time_axis(device: str) -> tuple[str, str]:
+    """(row field, axis label) of the time axis on ``device``."""
+    if device == "meta":
+        return "predicted_step_flops", "predicted TFLOP per step (cost model)"
+    return "step_time_ms", "measured step time (ms, median)"
+
+
+def points(rows: pd.DataFrame, memory: int) -> pd.DataFrame:
+    """One line per run: net, curve, batch, whether it fits ``memory``, its peak and its time value."""
+    out = []
+    for _, row in rows.iterrows():
+        field, _ = time_axis(row.device)
+        value = row.get(field) if row.status == "ok" else None
+        scale = 1e-12 if field == "predicted_step_flops" else 1.0
+        out.append({"net": row.net, "curve": label(row.strategy, row.options), "batch": int(row.batch_size),
+                    "status": row.status, "fits": fits(row.to_dict(), memory),
+                    "peak GB": row.get("measured_peak_bytes", float("nan")) / 1e9 if row.status == "ok" else None,
+                    "time": value * scale if value is not None and not pd.isna(value) else None,
+                    "device": row.device})
+    return pd.DataFrame(out).sort_values(["net", "curve", "batch"])
+
+
+def with_extrapolation(table: pd.DataFrame) -> pd.DataFrame:
+    """Adds, per net, vanilla's least-squares line through its fitting points at every batch, and each
+    point's time over it."""
+    table = table.copy()
+    table["vanilla line"] = np.nan
+    for net, group in table.groupby("net"):
+        vanilla = group[(group.curve == "vanilla") & group.fits & group.time.notna()]
+        if len(vanilla) >= 2:
+            slope, intercept = np.polyfit(vanilla.batch, vanilla.time.astype(float), 1)
+            table.loc[group.index, "vanilla line"] = intercept + slope * group.batch
+    table["vs vanilla line"] = table.time.astype(float) / table["vanilla line"]
+    return table
+
+
+def plot(table: pd.DataFrame, net: str, memory: int, device: str, device_name: str, path: Path) -> None:
+    group = table[table.net == net]
+    _, axis_label = time_axis(device)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for curve, marker in zip([label(s, o) for s, o in CURVES], "osD^"):
+        drawn = group[(group.curve == curve) & group.fits & group.time.notna()]
+        ax.plot(drawn.batch, drawn.time, marker=marker, label=curve)
+    line = group.drop_duplicates("batch").sort_values("batch")
+    if line["vanilla line"].notna().any():
+        ax.plot(line.batch, line["vanilla line"], "k--", linewidth=1, label="vanilla, extrapolated (linear)")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel(axis_label)
+    ax.set_title(f"{net}: step time against batch size within {memory / 1e9:g} GB\n{device_name}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m harness.figure3", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_stem", type=Path)
+    parser.add_argument("--nets", default=",".join(BATCHES), help=f"comma-separated, of {', '.join(BATCHES)}")
+    parser.add_argument("--device", default="meta", choices=["meta", "cuda"])
+    parser.add_argument("--memory", default="11.4GB", help="the device memory every point must fit")
+    parser.add_argument("--timed-steps", type=int, default=5, help="cuda: steps timed per point, after 2 warm-ups")
+    parser.add_argument("--batches", help="comma-separated batch sizes for every net (default: BATCHES)")
+    parser.add_argument("--rows", type=Path, default=Path("results/runs"), help="where every run's row goes")
+    args = parser.parse_args(argv)
+    memory = parse_budget(args.memory)
+    names = args.nets.split(",")
+    unknown = sorted(set(names) - set(BATCHES)) if args.batches is None else []
+    if unknown:
+        raise SystemExit(f"no batch sizes for {', '.join(unknown)} (give --batches); nets with them: "
+                         f"{', '.join(BATCHES)}")
+    batches = {net: [int(b) for b in args.batches.split(",")] if args.batches else BATCHES[net] for net in names}
+    cells = [(net, batch, strategy, options) for net in names for strategy, options in CURVES
+             for batch in batches[net]]
+    rows, past_the_end = [], set()
+    progress = tqdm(cells, desc="figure 3")
+    for net, batch, strategy, options in progress:
+        curve = (net, label(strategy, options))
+        if curve in past_the_end:  # a larger batch than one that did not fit: not run
+            continue
+        progress.set_postfix_str(f"{net} {curve[1]} batch {batch}")
+        row = run_cell(net, strategy, batch_size=batch, device=args.device, options=options,
+                       budget=cell_budget(strategy, options, memory), warmup_steps=2, timed_steps=args.timed_steps,
+                       results_dir=args.rows, resume=True)
+        rows.append(row)
+        if not fits(row, memory):
+            past_the_end.add(curve)
+    table = with_extrapolation(points(pd.DataFrame(rows), memory))
+    command = "python -m harness.figure3 " + " ".join(argv if argv is not None else sys.argv[1:])
+    device_name = (f"measured on {torch.cuda.get_device_name()}" if args.device == "cuda"
+                   else "meta device: the time axis is the cost model's prediction")
+    args.out_stem.parent.mkdir(parents=True, exist_ok=True)
+    for net in names:
+        plot(table, net, memory, args.device, device_name, Path(f"{args.out_stem}_{net}.png"))
+    table.to_csv(args.out_stem.with_suffix(".csv"), index=False, float_format="%.4g")
+    _, axis_label = time_axis(args.device)
+    args.out_stem.with_suffix(".md").write_text(
+        f"Made by `{command}` on {datetime.date.today()}; {device_name}. Time: {axis_label}. A point fits when "
+        f"its run is `ok` and its measured peak is within {memory / 1e9:g} GB; `vs vanilla line` is its time "
+        "over vanilla's straight-line fit at the same batch.\n\n"
+        + table.to_markdown(index=False, floatfmt=".3g") + "\n")
+    print(f"figure 3: {args.out_stem}.md, .csv, " + ", ".join(f"{args.out_stem}_{n}.png" for n in names))
+
+
+if __name__ == "__main__":
+    main()

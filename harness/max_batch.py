@@ -1,0 +1,147 @@
+"""The largest batch each strategy fits in a stated device memory: ``python -m harness.max_batch OUT_STEM``.
+
+For every net and strategy, and each memory (``--memory 11.4GB,80GB``: seed 004's K40c and an H100), the
+largest batch whose run fits: status ``ok`` and a measured peak within the memory. A strategy that can
+trade time for memory gets the memory as its budget (the time-centric DPs, the budget greedy, swap); the
+memory-centric DPs run at their minimal budget (seed 004, section 5.1), and the others as they are. The
+search starts from a guess (the paper's batch scaled by the memory left over, from a measured first run),
+gallops to a bracket and bisects; every probe is a real run whose row lands in ``--rows``, so a killed
+search resumes from the rows already there. Writes ``OUT_STEM.md`` and ``.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from harness import nets
+from harness.budget import parse_budget
+from harness.paper_numbers import TABLE1_GB
+from harness.run import run_cell
+
+# (strategy, options), seed 004's columns first; options as the strategy configs give them.
+STRATEGIES = [("vanilla", {}), ("liveness_only", {}), ("chen_sqrt", {}), ("chen_greedy", {}),
+              ("approx_dp", {"mode": "tc"}), ("approx_dp", {"mode": "mc"}), ("exact_dp", {"mode": "tc"}),
+              ("exact_dp", {"mode": "mc"}), ("swap", {})]
+USES_DEVICE_BUDGET = {"chen_greedy", "swap"}
+
+
+def cell_budget(strategy: str, options: dict, memory: int) -> int | None:
+    """The budget a strategy is run with on a device of ``memory`` bytes (module docstring)."""
+    if options.get("mode") == "tc" or strategy in USES_DEVICE_BUDGET:
+        return memory
+    return None
+
+
+def label(strategy: str, options: dict) -> str:
+    return strategy + (f" ({options['mode']})" if options.get("mode") else "")
+
+
+def fits(row: dict, memory: int) -> bool:
+    return row["status"] == "ok" and row["measured_peak_bytes"] <= memory
+
+
+def largest_batch(fits_at: Callable[[int], bool], guess: int) -> int:
+    """The largest batch b with ``fits_at(b)`` (0 when batch 1 does not fit), for a monotone ``fits_at``:
+    gallop from ``guess`` in steps that double, then bisect the bracket."""
+    step = max(1, guess // 16)
+    if fits_at(guess):
+        low = guess
+        while fits_at(low + step):
+            low, step = low + step, 2 * step
+        high = low + step
+    else:
+        high = guess
+        while True:
+            low = max(0, high - step)
+            if low == 0 or fits_at(low):
+                break
+            high, step = low, 2 * step
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits_at(middle) else (low, middle)
+    return low
+
+
+def search(net: str, strategy: str, options: dict, memory: int, device: str, rows_dir: Path,
+           progress: tqdm) -> dict:
+    """Probe runs of one (net, strategy, memory) until its largest batch is known; its row in the table."""
+    spec = nets.spec(net)
+    probes: dict[int, dict] = {}
+
+    def fits_at(batch: int) -> bool:
+        row = run_cell(net, strategy, batch_size=batch, device=device, budget=cell_budget(strategy, options, memory),
+                       options=options, warmup_steps=1, timed_steps=3, results_dir=rows_dir, resume=True)
+        probes[batch] = row
+        progress.set_postfix_str(f"{net} {label(strategy, options)} batch {batch}: {row['status']}")
+        return fits(row, memory)
+
+    fits_at(spec.batch_size)
+    first = probes[spec.batch_size]
+    guess = spec.batch_size
+    if first["status"] == "ok":  # peak = fixed + batch * per-sample bytes, from one measured point
+        fixed = 2 * first["measured_params_bytes"]  # parameters and their gradients
+        per_sample = max(1, (first["measured_peak_bytes"] - fixed) / spec.batch_size)
+        guess = max(1, int((memory - fixed) / per_sample))
+    batch = largest_batch(fits_at, guess)
+    best = probes.get(batch)
+    return {"net": net, "strategy": label(strategy, options), "memory GB": memory / 1e9, "largest batch": batch,
+            "peak GB there": best["measured_peak_bytes"] / 1e9 if best else float("nan"),
+            "next batch": _why_not(probes.get(batch + 1), memory),
+            "probes": len(probes), "paper batch": spec.batch_size, "device": device}
+
+
+def _why_not(row: dict | None, memory: int) -> str:
+    if row is None:
+        return ""
+    if row["status"] != "ok":
+        return row["status"]
+    return f"{row['measured_peak_bytes'] / 1e9:.2f} GB" + (" (over)" if row["measured_peak_bytes"] > memory else "")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m harness.max_batch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_stem", type=Path)
+    parser.add_argument("--memory", default="11.4GB,80GB", help="device memories, comma-separated")
+    parser.add_argument("--nets", default=",".join(TABLE1_GB), help="comma-separated")
+    parser.add_argument("--strategies", default=",".join(sorted({s for s, _ in STRATEGIES})),
+                        help="comma-separated; the DPs run both tc and mc")
+    parser.add_argument("--device", default="meta", choices=["meta", "cuda"])
+    parser.add_argument("--rows", type=Path, default=Path("results/runs"), help="where every probe's row goes")
+    args = parser.parse_args(argv)
+    memories = [parse_budget(m) for m in args.memory.split(",")]
+    chosen = set(args.strategies.split(","))
+    cells = [(net, strategy, options, memory) for memory in memories for net in args.nets.split(",")
+             for strategy, options in STRATEGIES if strategy in chosen]
+    progress = tqdm(cells, desc="largest batch")
+    table = pd.DataFrame([search(net, strategy, options, memory, args.device, args.rows, progress)
+                          for net, strategy, options, memory in progress])
+    command = "python -m harness.max_batch " + " ".join(argv if argv is not None else sys.argv[1:])
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "meta (the tracker's live bytes)"
+    wide = table.pivot(index=["net", "strategy"], columns="memory GB", values="largest batch")
+    wide.columns = [f"largest batch in {m:g} GB" for m in wide.columns]
+    order = {label(s, o): i for i, (s, o) in enumerate(STRATEGIES)}
+    wide = wide.reset_index().sort_values(["net", "strategy"], key=lambda c: c.map(order) if c.name == "strategy"
+                                          else c.map(list(TABLE1_GB).index))
+    lines = [f"Made by `{command}` on {datetime.date.today()}, device {device_name}, {platform.machine()}, "
+             f"torch {torch.__version__}. A batch fits when its run is `ok` and its measured peak (parameters, "
+             "gradients and the input batch included) is within the memory; `next batch` says why one more "
+             "does not.", "", wide.to_markdown(index=False), "", "## Every search", "",
+             table.to_markdown(index=False, floatfmt=".2f"), ""]
+    args.out_stem.parent.mkdir(parents=True, exist_ok=True)
+    args.out_stem.with_suffix(".md").write_text("\n".join(lines))
+    table.to_csv(args.out_stem.with_suffix(".csv"), index=False, float_format="%.3f")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

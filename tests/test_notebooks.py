@@ -1,0 +1,33 @@
+"""Every notebook runs top to bottom on the committed sample of rows (results/sample), so none of them rots."""
+
+from __future__ import annotations
+
+import os
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from test_run import ROOT
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs_on_the_sample_rows(path, monkeypatch):
+    monkeypatch.setenv("RESULTS_ROWS", str(ROOT / "results" / "sample"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    notebook = nbformat.read(path, as_version=4)
+    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    errors = [out for cell in code for out in cell.outputs if out.output_type == "error"]
+    assert not errors
+    figures = [cell for cell in code if any("image/png" in out.get("data", {}) for out in cell.outputs)]
+    assert len(figures) == sum("plt.subplots" in cell.source for cell in code) >= 2
+    assert "rows from" in "".join(out.get("text", "") for out in code[0].outputs)
+
+
+def test_notebooks_read_rows_only_through_load_results():
+    for path in NOTEBOOKS:
+        source = "\n".join(cell.source for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code")
+        assert "load_results(" in source and "json" not in source and "read_csv" not in source

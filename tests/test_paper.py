@@ -1,0 +1,146 @@
+"""Regenerating the papers: Table 1 and 2 from a sweep, the largest-batch search, Figure 3, the launchers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness import figure3, max_batch, nets
+from harness.paper_numbers import TABLE1_GB, TABLE2_GB
+from harness.report import table1, table2
+from harness.results import load_results
+from test_run import ROOT, _harness
+
+
+@given(largest=st.integers(0, 5000), guess=st.integers(1, 5000))
+@settings(max_examples=300, deadline=None)
+def test_largest_batch_finds_the_threshold_from_any_guess(largest, guess):
+    probed = []
+
+    def fits_at(batch):
+        assert batch >= 1
+        probed.append(batch)
+        return batch <= largest
+
+    assert max_batch.largest_batch(fits_at, guess) == largest
+    assert len(probed) <= 2 * (5000).bit_length() + 2
+
+
+def test_largest_batch_search_on_real_runs(tmp_path):
+    rows_dir = tmp_path / "rows"
+    max_batch.main([str(tmp_path / "mb"), "--nets", "vgg19", "--strategies", "vanilla,approx_dp",
+                    "--memory", "2GB", "--rows", str(rows_dir)])
+    table = pd.read_csv(tmp_path / "mb.csv")
+    rows = load_results(rows_dir)
+    assert set(table.strategy) == {"vanilla", "approx_dp (tc)", "approx_dp (mc)"}
+    for _, found in table.iterrows():
+        strategy, _, mode = found.strategy.partition(" (")
+        options = rows.options.map(lambda o: o.get("mode", "")) == mode.rstrip(")")
+        cells = rows[(rows.strategy == strategy) & options]
+        at = cells[cells.batch_size == found["largest batch"]].iloc[-1]
+        above = cells[cells.batch_size == found["largest batch"] + 1].iloc[-1]
+        assert at.status == "ok" and at.measured_peak_bytes <= 2e9
+        assert above.status != "ok" or above.measured_peak_bytes > 2e9
+    largest = dict(zip(table.strategy, table["largest batch"]))
+    # Recomputation fits more; the memory-centric DP at its minimal budget the most.
+    assert largest["vanilla"] <= largest["approx_dp (tc)"] <= largest["approx_dp (mc)"]
+    assert largest["vanilla"] < largest["approx_dp (mc)"]
+    assert (tmp_path / "mb.md").read_text().startswith("Made by `python -m harness.max_batch")
+
+
+def test_figure3_on_meta(tmp_path):
+    figure3.main([str(tmp_path / "f3"), "--nets", "resnet50", "--batches", "2,4,8,16", "--memory", "1GB",
+                  "--rows", str(tmp_path / "rows")])
+    table = pd.read_csv(tmp_path / "f3.csv")
+    png = tmp_path / "f3_resnet50.png"
+    assert png.stat().st_size > 10_000
+    rows = load_results(tmp_path / "rows")
+    for _, point in table.iterrows():  # a point fits exactly when its run is ok and within the memory
+        row = rows[(rows.batch_size == point.batch) & (rows.strategy == point.curve.split(" ")[0])]
+        assert point.fits == any((row.status == "ok") & (row.measured_peak_bytes <= 1e9))
+    vanilla = table[(table.curve == "vanilla") & table.fits]
+    assert len(vanilla) >= 2
+    # On meta the time axis is FLOPs, exactly linear in the batch: the fitted line goes through vanilla.
+    assert ((vanilla["vs vanilla line"] - 1).abs() < 1e-6).all()
+    # Recomputation never costs less than the plain step; mc recomputes at least as much as tc.
+    drawn = table[table.fits & table.time.notna()]
+    assert (drawn["vs vanilla line"] >= 1 - 1e-9).all()
+    tc = drawn[drawn.curve == "approx_dp (tc)"].set_index("batch").time
+    mc = drawn[drawn.curve == "approx_dp (mc)"].set_index("batch").time
+    both = tc.index.intersection(mc.index)
+    assert len(both) and (mc[both] >= tc[both] - 1e-9).all()
+
+
+@pytest.mark.slow
+def test_table_sweeps_write_tables_beside_the_paper(tmp_path):
+    rows_dir = tmp_path / "rows"
+    done = _harness("sweep=table1", "+net=vgg19", "+strategy=vanilla,approx_dp,approx_dp_mc",
+                    f"results_dir={rows_dir}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = load_results(rows_dir)
+    assert len(rows) == 3 and set(rows.status) == {"ok"} and set(rows.batch_size) == {nets.spec("vgg19").batch_size}
+    written = pd.read_csv(tmp_path / "results" / "table1.csv")
+    assert written.strategy.tolist() == ["approx_dp (mc)", "approx_dp (tc)", "vanilla"]
+    for _, line in written.iterrows():
+        strategy, _, mode = line.strategy.partition(" (")
+        row = rows[(rows.strategy == strategy) & (rows.options.map(lambda o: o.get("mode", "")) == mode.rstrip(")"))]
+        assert line["meta GB"] == pytest.approx(row.measured_peak_bytes.iloc[0] / 1e9, abs=1e-3)
+        assert line["paper GB"] == TABLE1_GB["vgg19"][(strategy, mode.rstrip(")"))]
+    assert "python -m harness sweep=table1" in (tmp_path / "results" / "table1.md").read_text()
+
+    done = _harness("sweep=table2", "+net=vgg19", "+strategy=vanilla,approx_dp,approx_dp_mc",
+                    f"results_dir={rows_dir}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert len(load_results(rows_dir)) == 3  # nothing measured twice
+    no_liveness = pd.read_csv(tmp_path / "results" / "table2.csv").set_index("strategy")
+    vanilla = rows[rows.strategy == "vanilla"].iloc[0]
+    dp = rows[(rows.strategy == "approx_dp") & (rows.options.map(lambda o: o.get("mode")) == "tc")].iloc[0]
+    assert no_liveness.loc["vanilla", "ours GB (no liveness)"] == pytest.approx(vanilla.measured_peak_bytes / 1e9, abs=1e-3)
+    assert no_liveness.loc["approx_dp (tc)", "ours GB (no liveness)"] == pytest.approx(
+        dp.predicted_peak_no_liveness_bytes / 1e9, abs=1e-3)
+    assert no_liveness.loc["approx_dp (tc)", "paper GB (no liveness)"] == TABLE2_GB["vgg19"][("approx_dp", "tc")]
+
+
+def test_tables_put_every_device_beside_the_paper():
+    base = {"net": "resnet50", "batch_size": 96, "image_size": 224, "cost_model": "paper", "budget_bytes": None,
+            "total_cost": 100.0, "predicted_overhead_cost": 0.0, "predicted_peak_no_liveness_bytes": 20e9}
+    rows = pd.DataFrame([
+        {**base, "strategy": "vanilla", "options": {}, "device": "meta", "status": "ok", "timestamp": "1",
+         "measured_peak_bytes": 8e9, "predicted_peak_bytes": 8e9},
+        {**base, "strategy": "vanilla", "options": {}, "device": "cuda", "status": "ok", "timestamp": "2",
+         "measured_peak_bytes": 9e9, "predicted_peak_bytes": 8e9, "step_time_ms": 50.0},
+        {**base, "strategy": "chen_sqrt", "options": {}, "device": "meta", "status": "ok", "timestamp": "3",
+         "measured_peak_bytes": 4e9, "predicted_peak_bytes": 4e9},
+        {**base, "strategy": "chen_sqrt", "options": {}, "device": "cuda", "status": "oom", "timestamp": "4",
+         "measured_peak_bytes": None, "predicted_peak_bytes": None},
+    ])
+    table = table1(rows).set_index("strategy")
+    assert table.loc["vanilla", "cuda GB"] == 9.0 and table.loc["vanilla", "meta GB"] == 8.0
+    assert table.loc["chen_sqrt", "meta vs vanilla"] == "-50%"
+    assert table.loc["chen_sqrt", "cuda GB"] == "oom"  # a run that did not fit says so
+    assert table.loc["chen_sqrt", "paper GB"] == TABLE1_GB["resnet50"][("chen_sqrt", "")]
+    assert table2(rows).set_index("strategy").loc["chen_sqrt", "ours GB (no liveness)"] == 20.0
+
+
+def test_slurm_launcher_asks_one_gpu_per_job():
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=slurm_gpu", "+net=vgg19", "+strategy=vanilla"],
+                      return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
+    assert (cfg.hydra.launcher.gpus_per_node, cfg.hydra.launcher.tasks_per_node, cfg.hydra.launcher.nodes) == (1, 1, 1)
+
+
+@pytest.mark.slow
+def test_submitit_local_launcher_runs_a_sweep(tmp_path):
+    done = _harness("-m", "+net=vgg19", "+strategy=vanilla,chen_sqrt", "batch_size=2", "image_size=64",
+                    "hydra/launcher=submitit_local", f"results_dir={tmp_path / 'rows'}",
+                    f"hydra.sweep.dir={tmp_path / 'multirun'}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = load_results(tmp_path / "rows")
+    assert sorted(rows.strategy) == ["chen_sqrt", "vanilla"] and set(rows.status) == {"ok"}
+    assert list(Path(tmp_path / "multirun").rglob("*_submitted.pkl"))  # the jobs went through submitit
