@@ -63,12 +63,22 @@ def execute(traced: Traced, plan: Plan, *inputs: torch.Tensor, loss_fn=None) -> 
     plan.validate(traced.graph)
     step = _Step(traced, plan)
     loss_fn = loss_fn or default_loss
-    with torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack):
-        output = step.forward(inputs)
-        loss = loss_fn(output)
-        del output
-        step.end_forward()
-        loss.backward()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack):
+            output = step.forward(inputs)
+            loss = loss_fn(output)
+            del output
+            step.end_forward()
+            loss.backward()
+    except BaseException:
+        # A saved output holds its own grad_fn, which holds the hook's _Saved, which holds the output: a
+        # cycle through C++ that the collector cannot see, broken only by a backward that completes. A step
+        # that fails (a CUDA OOM) would keep its whole graph alive, and the next run would start on a
+        # full device; drop what the hooks hold instead.
+        for saved in list(step.packed):
+            saved.tensor = saved.swapped = None
+        step.cache.clear()
+        raise
     return loss.detach()
 
 
@@ -123,6 +133,7 @@ class _Step:
         self.modules = dict(self.traced.module.named_modules())
         self.reads_left = _last_uses(self.traced.module.graph)
         self.swapped = set(members(self.plan.swapped))
+        self.packed: weakref.WeakSet[_Saved] = weakref.WeakSet()  # what the graph still holds, to drop on failure
         self.fetch_at: dict[int, list[int]] = {}  # trigger node (-1: end of forward) -> swapped groups
         for g, trigger in self.plan.prefetch:
             self.fetch_at.setdefault(trigger, []).append(g)
@@ -205,6 +216,7 @@ class _Step:
     def pack(self, tensor: torch.Tensor) -> _Saved:
         saved = _Saved(tensor)
         self.pending.append(saved)
+        self.packed.add(saved)
         return saved
 
     def _resolve(self, node_name: str | None = None):

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from harness import nets
 from harness.budget import parse_budget
 from harness.paper_numbers import TABLE1_GB
+from harness.results import cell_name, read_row
 from harness.run import run_cell
 
 # (strategy, options), seed 004's columns first; options as the strategy configs give them.
@@ -71,15 +72,30 @@ def largest_batch(fits_at: Callable[[int], bool], guess: int) -> int:
     return low
 
 
+def stored_row(net: str, strategy: str, batch: int, device: str, budget: int | None, options: dict,
+               rows_dir: Path) -> dict:
+    """The row a probe wrote earlier (``--from-rows``: a search re-read where its device is not at hand)."""
+    key = {"net": net, "strategy": strategy, "options": options, "batch_size": batch,
+           "image_size": nets.spec(net).image_size, "budget_bytes": budget, "cost_model": "paper", "device": device}
+    path = rows_dir / cell_name(key)
+    if not path.exists():
+        raise SystemExit(f"--from-rows: no row {path}; run the search where device {device} is")
+    return read_row(path)
+
+
 def search(net: str, strategy: str, options: dict, memory: int, device: str, rows_dir: Path,
-           progress: tqdm) -> dict:
+           progress: tqdm, from_rows: bool = False) -> dict:
     """Probe runs of one (net, strategy, memory) until its largest batch is known; its row in the table."""
     spec = nets.spec(net)
     probes: dict[int, dict] = {}
 
     def fits_at(batch: int) -> bool:
-        row = run_cell(net, strategy, batch_size=batch, device=device, budget=cell_budget(strategy, options, memory),
-                       options=options, warmup_steps=1, timed_steps=3, results_dir=rows_dir, resume=True)
+        budget = cell_budget(strategy, options, memory)
+        if from_rows:
+            row = stored_row(net, strategy, batch, device, budget, options, rows_dir)
+        else:
+            row = run_cell(net, strategy, batch_size=batch, device=device, budget=budget, options=options,
+                           warmup_steps=1, timed_steps=3, results_dir=rows_dir, resume=True)
         probes[batch] = row
         progress.set_postfix_str(f"{net} {label(strategy, options)} batch {batch}: {row['status']}")
         return fits(row, memory)
@@ -107,6 +123,10 @@ def _why_not(row: dict | None, memory: int) -> str:
     return f"{row['measured_peak_bytes'] / 1e9:.2f} GB" + (" (over)" if row["measured_peak_bytes"] > memory else "")
 
 
+def _rows_of(rows_dir: Path, device: str) -> list[dict]:
+    return [read_row(path) for path in rows_dir.glob(f"*__{device}.json")]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m harness.max_batch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -117,16 +137,19 @@ def main(argv=None) -> None:
                         help="comma-separated; the DPs run both tc and mc")
     parser.add_argument("--device", default="meta", choices=["meta", "cuda"])
     parser.add_argument("--rows", type=Path, default=Path("results/runs"), help="where every probe's row goes")
+    parser.add_argument("--from-rows", action="store_true",
+                        help="run nothing: replay the searches over the rows in --rows (made where --device was)")
     args = parser.parse_args(argv)
     memories = [parse_budget(m) for m in args.memory.split(",")]
     chosen = set(args.strategies.split(","))
     cells = [(net, strategy, options, memory) for memory in memories for net in args.nets.split(",")
              for strategy, options in STRATEGIES if strategy in chosen]
     progress = tqdm(cells, desc="largest batch")
-    table = pd.DataFrame([search(net, strategy, options, memory, args.device, args.rows, progress)
+    table = pd.DataFrame([search(net, strategy, options, memory, args.device, args.rows, progress, args.from_rows)
                           for net, strategy, options, memory in progress])
     command = "python -m harness.max_batch " + " ".join(argv if argv is not None else sys.argv[1:])
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "meta (the tracker's live bytes)"
+    device_name = ("meta (the tracker's live bytes)" if args.device == "meta" else
+                   ", ".join(sorted({r["device_name"] for r in _rows_of(args.rows, args.device) if r.get("device_name")})))
     wide = table.pivot(index=["net", "strategy"], columns="memory GB", values="largest batch")
     wide.columns = [f"largest batch in {m:g} GB" for m in wide.columns]
     order = {label(s, o): i for i, (s, o) in enumerate(STRATEGIES)}

@@ -6,8 +6,10 @@ tests and scripts call it directly.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import logging
+import multiprocessing
 import platform
 import subprocess
 import time
@@ -32,8 +34,12 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_size: int | None = None,
              device: str = "meta", budget=None, cost_model: str = "paper", options: dict | None = None,
              warmup_steps: int = 2, timed_steps: int = 5, results_dir: str | Path | None = None,
-             resume: bool = False) -> dict:
-    """Measure ``strategy`` on ``net`` and return the result row (also written under ``results_dir``)."""
+             resume: bool = False, isolate: bool | None = None) -> dict:
+    """Measure ``strategy`` on ``net`` and return the result row (also written under ``results_dir``).
+
+    ``isolate`` (default: on ``cuda``) measures in a fresh process: PyTorch does not free what a backward
+    that ran out of CUDA memory held (pytorch/pytorch#82218), so one ``oom`` cell would leave every later
+    cell of a sweep on a nearly full device."""
     spec = nets.spec(net)  # bad input fails here, before anything is built
     strategies.module(strategy)
     check_device(device)
@@ -50,9 +56,17 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
     nets.check_sizes(net, row["batch_size"], row["image_size"])
     if resume and results_dir is not None and (Path(results_dir) / cell_name(row)).exists():
         done = read_row(Path(results_dir) / cell_name(row))
-        if done.get("status") in ("ok", "oom", "infeasible", "timeout") and done.get("schema_version") == SCHEMA_VERSION:
+        final = done.get("status") in ("ok", "oom", "infeasible", "timeout")
+        if final and done.get("schema_version") == SCHEMA_VERSION:
             log.info("%s: already measured (%s), skipped", cell_name(row), done["status"])
             return done
+    if device == "cuda" if isolate is None else isolate:
+        spawn = multiprocessing.get_context("spawn")  # a fresh CUDA context, and nothing of this process's
+        with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as child:
+            return child.submit(run_cell, net, strategy, batch_size=batch_size, image_size=image_size,
+                                device=device, budget=budget, cost_model=cost_model, options=options,
+                                warmup_steps=warmup_steps, timed_steps=timed_steps, results_dir=results_dir,
+                                isolate=False).result()
     start = time.perf_counter()
     try:
         row.update(_measure_cell(row))

@@ -130,3 +130,41 @@ def test_default_loss_is_the_sum_of_the_output():
     traced = trace(model, x)
     loss = execute(traced, strategies.solve("vanilla", traced.graph), x)
     torch.testing.assert_close(loss, model(x).sum().detach())
+
+
+@pytest.mark.parametrize("strategy", ["vanilla", "approx_dp", "swap"])
+def test_a_failed_step_leaves_nothing_alive(strategy):
+    """A step that fails in its backward (a CUDA OOM, say) must not keep its graph's saved tensors: the
+    next cell of a sweep would start on a full device."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = SkipToOutput().train()
+    x = torch.randn(2, 3, 8, 8)
+    traced = trace(model, x)
+    plan = strategies.solve(strategy, traced.graph, **({"min_bytes": 1} if strategy == "swap" else {}))
+    outputs = []
+    hooks = [layer.register_forward_hook(lambda module, args, out: outputs.append(weakref.ref(out)))
+             for layer in model.modules() if isinstance(layer, (nn.Conv2d, nn.BatchNorm2d, nn.ReLU))]
+
+    class Failing(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, out):
+            return out.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise torch.cuda.OutOfMemoryError("planted")
+
+    # Fails at the loss (before any recomputation), or at the stem (after every recomputation).
+    failing_stem = model.stem.register_forward_hook(lambda module, args, out: Failing.apply(out))
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="planted"):
+        execute(traced, plan, x, loss_fn=lambda out: out.sum())
+    failing_stem.remove()
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="planted"):
+        execute(traced, plan, x, loss_fn=lambda out: Failing.apply(out).sum())
+    for hook in hooks:
+        hook.remove()
+    gc.collect()
+    assert outputs and all(ref() is None for ref in outputs)

@@ -56,3 +56,16 @@ def test_cuda_figures_agree_with_the_tracker():
     m = measure(lambda: execute(traced, plan, x), model, (x,), "cuda", warmup_steps=1, timed_steps=3)
     assert m.reserved_bytes >= m.peak_bytes > 0 and m.nvml_used_bytes > 0 and m.step_time_ms > 0
     assert abs(m.peak_bytes - m.tracker_peak_bytes) <= 0.1 * m.peak_bytes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_oom_row_leaves_the_device_free_for_the_next_cell():
+    from harness.run import run_cell
+
+    # ResNet-50 at 224x224 holds about 85 MB a sample: twice the device's memory cannot fit.
+    too_big = int(2 * torch.cuda.get_device_properties(0).total_memory / 85e6)
+    row = run_cell("resnet50", "vanilla", batch_size=too_big, device="cuda", warmup_steps=0, timed_steps=1)
+    assert row["status"] == "oom" and "out of memory" in row["error"].lower()
+    after = run_cell("resnet50", "vanilla", batch_size=16, device="cuda", warmup_steps=0, timed_steps=1)
+    assert after["status"] == "ok"
