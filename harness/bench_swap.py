@@ -2,7 +2,8 @@
 
 Three tables, written to ``OUT_STEM.md`` and ``OUT_STEM.csv``:
 1. the largest ResNet-50 batch (224x224) whose measured peak fits a 12 GiB device, for ``vanilla``,
-   ``swap`` and ``swap`` on ``approx_dp`` (seed 001: 144 -> 664 on a 12 GB M40), by doubling then bisection;
+   ``swap`` and ``swap`` on ``approx_dp`` (seed 001: 144 -> 664 on a 12 GB M40), by a gallop and bisection
+   (``harness.max_batch.largest_batch``);
 2. the measured peak of ResNet-101/200/1001/2000 at batch 32 under ``vanilla`` and under ``swap`` with every
    candidate swapped (seed 001 Table 1(b));
 3. for each row of table 2, the step time the simulator predicts (compute, and the lower bound max(compute,
@@ -30,6 +31,7 @@ from tqdm import tqdm
 
 import strategies
 from harness.execute import execute
+from harness.max_batch import largest_batch as search_largest
 from harness.measure import measure
 from harness.nets import classification_loss
 from harness.run import fixed_bytes, run_cell
@@ -58,13 +60,7 @@ def largest_batch(strategy: str, options: dict, device: str, progress) -> int:
         progress.set_postfix_str(f"{label(strategy, options)} batch {batch}: {row['status']}")
         return row["status"] == "ok" and row["measured_peak_bytes"] <= DEVICE_BUDGET
 
-    low, high = 0, 64
-    while fits(high):
-        low, high = high, 2 * high
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
+    return search_largest(fits, guess=144)  # seed 001's vanilla figure
 
 
 def resnet_rows(name: str, device: str) -> list[dict]:

@@ -79,7 +79,7 @@ def plot(table: pd.DataFrame, net: str, memory: int, device: str, device_name: s
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for curve, marker in zip([label(s, o) for s, o in CURVES], "osD^"):
         drawn = group[(group.curve == curve) & group.fits & group.time.notna()]
-        ax.plot(drawn.batch, drawn.time, marker=marker, label=curve)
+        ax.plot(drawn.batch, drawn.time, marker=marker, label=curve, zorder=3 if curve == "vanilla" else 2)
     line = group.drop_duplicates("batch").sort_values("batch")
     if line["vanilla line"].notna().any():
         ax.plot(line.batch, line["vanilla line"], "k--", linewidth=1, label="vanilla, extrapolated (linear)")

@@ -148,15 +148,17 @@ def main(argv=None) -> None:
     table = pd.DataFrame([search(net, strategy, options, memory, args.device, args.rows, progress, args.from_rows)
                           for net, strategy, options, memory in progress])
     command = "python -m harness.max_batch " + " ".join(argv if argv is not None else sys.argv[1:])
-    device_name = ("meta (the tracker's live bytes)" if args.device == "meta" else
-                   ", ".join(sorted({r["device_name"] for r in _rows_of(args.rows, args.device) if r.get("device_name")})))
+    measured = [r for r in _rows_of(args.rows, args.device) if r.get("device_name")]
+    device_name = ("meta (the tracker's live bytes)" if args.device == "meta"
+                   else ", ".join(sorted({r["device_name"] for r in measured})))
+    torch_version = ", ".join(sorted({r["torch_version"] for r in measured})) if args.from_rows else torch.__version__
     wide = table.pivot(index=["net", "strategy"], columns="memory GB", values="largest batch")
     wide.columns = [f"largest batch in {m:g} GB" for m in wide.columns]
     order = {label(s, o): i for i, (s, o) in enumerate(STRATEGIES)}
     wide = wide.reset_index().sort_values(["net", "strategy"], key=lambda c: c.map(order) if c.name == "strategy"
                                           else c.map(list(TABLE1_GB).index))
     lines = [f"Made by `{command}` on {datetime.date.today()}, device {device_name}, {platform.machine()}, "
-             f"torch {torch.__version__}. A batch fits when its run is `ok` and its measured peak (parameters, "
+             f"torch {torch_version}. A batch fits when its run is `ok` and its measured peak (parameters, "
              "gradients and the input batch included) is within the memory; `next batch` says why one more "
              "does not.", "", wide.to_markdown(index=False), "", "## Every search", "",
              table.to_markdown(index=False, floatfmt=".2f"), ""]

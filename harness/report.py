@@ -166,7 +166,19 @@ def table1(rows: pd.DataFrame) -> pd.DataFrame:
                                             else float("nan"))
             line["overhead / forward"] = _ratio(any_row.get("predicted_overhead_cost"), any_row.total_cost)
             out.append(line)
-    return pd.DataFrame(out)
+    table = pd.DataFrame(out)
+    table.attrs["devices"] = "columns by device: " + _devices(by_device)
+    return table
+
+
+def _devices(by_device: dict) -> str:
+    """Which machine and method stand behind each device's columns."""
+    parts = []
+    for device, cells in by_device.items():
+        rows = [row for row in cells.values() if row.status == "ok"]
+        names = sorted({f"{row.device_name}, {row.method}, torch {row.torch_version}" for row in rows})
+        parts.append(f"{device}: {'; '.join(names)}")
+    return " | ".join(parts)
 
 
 def table2(rows: pd.DataFrame) -> pd.DataFrame:
@@ -190,7 +202,10 @@ def table2(rows: pd.DataFrame) -> pd.DataFrame:
                         "ours vs vanilla": _vs(model, vanilla),
                         "over the K40c": "yes" if isinstance(model, float) and model > K40C_GB else "",
                         "measured GB (liveness)": _peak(row)})
-    return pd.DataFrame(out)
+    table = pd.DataFrame(out)
+    table.attrs["devices"] = ("the no-liveness columns are the simulator's; the measured one is "
+                              + _devices({"meta": cells}))
+    return table
 
 
 def _paper_net_order() -> list[str]:
@@ -208,7 +223,8 @@ TABLES = {"spine": spine_table, "strategies": strategies_table, "table1": table1
 def write(table: pd.DataFrame, stem: Path, command: str) -> None:
     stem.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(stem.with_suffix(".csv"), index=False, float_format="%.3f")
-    header = (f"Made by `{command}` on {datetime.date.today().isoformat()}; device and method in each row. "
+    where = table.attrs.get("devices", "device and method in each row")
+    header = (f"Made by `{command}` on {datetime.date.today().isoformat()}; {where}. "
               "Peaks in decimal GB, parameters, buffers and the input batch included.\n\n")
     stem.with_suffix(".md").write_text(header + table.to_markdown(index=False, floatfmt=".2f") + "\n")
 

@@ -18,7 +18,9 @@ def test_notebook_runs_on_the_sample_rows(path, monkeypatch):
     monkeypatch.setenv("RESULTS_ROWS", str(ROOT / "results" / "sample"))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     notebook = nbformat.read(path, as_version=4)
-    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    client = NotebookClient(notebook, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    client.execute()
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
     errors = [out for cell in code for out in cell.outputs if out.output_type == "error"]
     assert not errors

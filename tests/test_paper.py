@@ -100,7 +100,8 @@ def test_table_sweeps_write_tables_beside_the_paper(tmp_path):
     no_liveness = pd.read_csv(tmp_path / "results" / "table2.csv").set_index("strategy")
     vanilla = rows[rows.strategy == "vanilla"].iloc[0]
     dp = rows[(rows.strategy == "approx_dp") & (rows.options.map(lambda o: o.get("mode")) == "tc")].iloc[0]
-    assert no_liveness.loc["vanilla", "ours GB (no liveness)"] == pytest.approx(vanilla.measured_peak_bytes / 1e9, abs=1e-3)
+    assert no_liveness.loc["vanilla", "ours GB (no liveness)"] == pytest.approx(
+        vanilla.measured_peak_bytes / 1e9, abs=1e-3)
     assert no_liveness.loc["approx_dp (tc)", "ours GB (no liveness)"] == pytest.approx(
         dp.predicted_peak_no_liveness_bytes / 1e9, abs=1e-3)
     assert no_liveness.loc["approx_dp (tc)", "paper GB (no liveness)"] == TABLE2_GB["vgg19"][("approx_dp", "tc")]
@@ -108,18 +109,23 @@ def test_table_sweeps_write_tables_beside_the_paper(tmp_path):
 
 def test_tables_put_every_device_beside_the_paper():
     base = {"net": "resnet50", "batch_size": 96, "image_size": 224, "cost_model": "paper", "budget_bytes": None,
-            "total_cost": 100.0, "predicted_overhead_cost": 0.0, "predicted_peak_no_liveness_bytes": 20e9}
+            "total_cost": 100.0, "predicted_overhead_cost": 0.0, "predicted_peak_no_liveness_bytes": 20e9,
+            "torch_version": "2.x"}
+    meta = {"device_name": "meta", "method": "meta-tracker"}
+    gpu = {"device_name": "NVIDIA H100 80GB HBM3", "method": "cuda-allocator+nvml+cuda-events"}
     rows = pd.DataFrame([
-        {**base, "strategy": "vanilla", "options": {}, "device": "meta", "status": "ok", "timestamp": "1",
+        {**base, **meta, "strategy": "vanilla", "options": {}, "device": "meta", "status": "ok", "timestamp": "1",
          "measured_peak_bytes": 8e9, "predicted_peak_bytes": 8e9},
-        {**base, "strategy": "vanilla", "options": {}, "device": "cuda", "status": "ok", "timestamp": "2",
+        {**base, **gpu, "strategy": "vanilla", "options": {}, "device": "cuda", "status": "ok", "timestamp": "2",
          "measured_peak_bytes": 9e9, "predicted_peak_bytes": 8e9, "step_time_ms": 50.0},
-        {**base, "strategy": "chen_sqrt", "options": {}, "device": "meta", "status": "ok", "timestamp": "3",
+        {**base, **meta, "strategy": "chen_sqrt", "options": {}, "device": "meta", "status": "ok", "timestamp": "3",
          "measured_peak_bytes": 4e9, "predicted_peak_bytes": 4e9},
-        {**base, "strategy": "chen_sqrt", "options": {}, "device": "cuda", "status": "oom", "timestamp": "4",
+        {**base, **gpu, "strategy": "chen_sqrt", "options": {}, "device": "cuda", "status": "oom", "timestamp": "4",
          "measured_peak_bytes": None, "predicted_peak_bytes": None},
     ])
-    table = table1(rows).set_index("strategy")
+    table = table1(rows)
+    assert "cuda: NVIDIA H100 80GB HBM3, cuda-allocator" in table.attrs["devices"]  # the md's first line says it
+    table = table.set_index("strategy")
     assert table.loc["vanilla", "cuda GB"] == 9.0 and table.loc["vanilla", "meta GB"] == 8.0
     assert table.loc["chen_sqrt", "meta vs vanilla"] == "-50%"
     assert table.loc["chen_sqrt", "cuda GB"] == "oom"  # a run that did not fit says so
