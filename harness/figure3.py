@@ -10,7 +10,8 @@ first batch that does not fit (larger ones are not run).
 The time axis: on ``cuda`` the measured step time (median of the timed steps, CUDA events); on ``meta`` the
 cost model's prediction, the FLOPs of one step (forward, recomputation, backward at twice its forward;
 ``predicted_step_flops``), in TFLOP. The plot's axis and title say which. Every run's row lands in
-``--rows`` (resumable); writes ``OUT_STEM.csv``, ``.md`` and one PNG per net, ``OUT_STEM_NET.png``.
+``--rows`` (resumable; ``--from-rows`` draws from stored rows without running); writes ``OUT_STEM.csv``,
+``.md`` and one PNG per net, ``OUT_STEM_NET.png``.
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from harness.budget import parse_budget  # noqa: E402
-from harness.max_batch import cell_budget, fits, label  # noqa: E402
+from harness.max_batch import cell_budget, fits, label, stored_row  # noqa: E402
 from harness.run import run_cell  # noqa: E402
 
 BATCHES = {"resnet152": [16, 32, 48, 64, 96, 128, 160, 192, 224, 256], "pspnet": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}
@@ -73,7 +73,8 @@ def with_extrapolation(table: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def plot(table: pd.DataFrame, net: str, memory: int, device: str, device_name: str, path: Path) -> None:
+def plot(table: pd.DataFrame, net: str, memory: int, device: str, device_name: str, caption: str,
+         path: Path) -> None:
     group = table[table.net == net]
     _, axis_label = time_axis(device)
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -88,7 +89,8 @@ def plot(table: pd.DataFrame, net: str, memory: int, device: str, device_name: s
     ax.set_title(f"{net}: step time against batch size within {memory / 1e9:g} GB\n{device_name}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
+    fig.text(0.01, 0.01, caption, fontsize=6, color="0.4")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -103,6 +105,8 @@ def main(argv=None) -> None:
     parser.add_argument("--timed-steps", type=int, default=5, help="cuda: steps timed per point, after 2 warm-ups")
     parser.add_argument("--batches", help="comma-separated batch sizes for every net (default: BATCHES)")
     parser.add_argument("--rows", type=Path, default=Path("results/runs"), help="where every run's row goes")
+    parser.add_argument("--from-rows", action="store_true",
+                        help="run nothing: draw from the rows in --rows (made where --device was)")
     args = parser.parse_args(argv)
     memory = parse_budget(args.memory)
     names = args.nets.split(",")
@@ -120,19 +124,24 @@ def main(argv=None) -> None:
         if curve in past_the_end:  # a larger batch than one that did not fit: not run
             continue
         progress.set_postfix_str(f"{net} {curve[1]} batch {batch}")
-        row = run_cell(net, strategy, batch_size=batch, device=args.device, options=options,
-                       budget=cell_budget(strategy, options, memory), warmup_steps=2, timed_steps=args.timed_steps,
-                       results_dir=args.rows, resume=True)
+        budget = cell_budget(strategy, options, memory)
+        if args.from_rows:
+            row = stored_row(net, strategy, batch, args.device, budget, options, args.rows)
+        else:
+            row = run_cell(net, strategy, batch_size=batch, device=args.device, options=options, budget=budget,
+                           warmup_steps=2, timed_steps=args.timed_steps, results_dir=args.rows, resume=True)
         rows.append(row)
         if not fits(row, memory):
             past_the_end.add(curve)
     table = with_extrapolation(points(pd.DataFrame(rows), memory))
     command = "python -m harness.figure3 " + " ".join(argv if argv is not None else sys.argv[1:])
-    device_name = (f"measured on {torch.cuda.get_device_name()}" if args.device == "cuda"
+    machines = sorted({row["device_name"] for row in rows if row.get("device_name")})
+    device_name = (f"measured on {', '.join(machines)}" if args.device == "cuda"
                    else "meta device: the time axis is the cost model's prediction")
     args.out_stem.parent.mkdir(parents=True, exist_ok=True)
     for net in names:
-        plot(table, net, memory, args.device, device_name, Path(f"{args.out_stem}_{net}.png"))
+        plot(table, net, memory, args.device, device_name, f"{command}  ({datetime.date.today()})",
+             Path(f"{args.out_stem}_{net}.png"))
     table.to_csv(args.out_stem.with_suffix(".csv"), index=False, float_format="%.4g")
     _, axis_label = time_axis(args.device)
     args.out_stem.with_suffix(".md").write_text(

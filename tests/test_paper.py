@@ -70,6 +70,11 @@ def test_figure3_on_meta(tmp_path):
     # Recomputation never costs less than the plain step; mc recomputes at least as much as tc.
     drawn = table[table.fits & table.time.notna()]
     assert (drawn["vs vanilla line"] >= 1 - 1e-9).all()
+    # Drawn again from the stored rows alone, nothing run: the same figure.
+    figure3.main([str(tmp_path / "again"), "--nets", "resnet50", "--batches", "2,4,8,16", "--memory", "1GB",
+                  "--rows", str(tmp_path / "rows"), "--from-rows"])
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "again.csv"), table)
+    assert len(load_results(tmp_path / "rows")) == len(rows)
     tc = drawn[drawn.curve == "approx_dp (tc)"].set_index("batch").time
     mc = drawn[drawn.curve == "approx_dp (mc)"].set_index("batch").time
     both = tc.index.intersection(mc.index)
