@@ -2,8 +2,9 @@
 
 Per net (ResNet-152 and PSPNet by default), over batch sizes beyond vanilla's largest, on a device of
 ``--memory`` (11.4 GB, the paper's K40c): ``vanilla`` where it fits, with its straight-line fit extended
-over every batch (the paper's extrapolation), ``approx_dp`` time-centric with the memory as its budget,
-``approx_dp`` memory-centric at its minimal budget, and Chen's sqrt(n) (``chen_sqrt``, the paper's "Chen's").
+over every batch (the paper's extrapolation), ``approx_dp`` time-centric with the memory as its budget
+(less any overshoot a first run measured: ``harness.max_batch.run_within``), ``approx_dp`` memory-centric at
+its minimal budget, and Chen's sqrt(n) (``chen_sqrt``, the paper's "Chen's").
 A point is drawn where its run is ``ok`` and its measured peak is within the memory; a curve stops at its
 first batch that does not fit (larger ones are not run).
 
@@ -30,8 +31,7 @@ import pandas as pd  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from harness.budget import parse_budget  # noqa: E402
-from harness.max_batch import cell_budget, fits, label, stored_row  # noqa: E402
-from harness.run import run_cell  # noqa: E402
+from harness.max_batch import fits, label, run_within  # noqa: E402
 
 BATCHES = {"resnet152": [16, 32, 48, 64, 96, 128, 160, 192, 224, 256], "pspnet": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}
 CURVES = [("vanilla", {}), ("approx_dp", {"mode": "tc"}), ("approx_dp", {"mode": "mc"}), ("chen_sqrt", {})]
@@ -124,12 +124,8 @@ def main(argv=None) -> None:
         if curve in past_the_end:  # a larger batch than one that did not fit: not run
             continue
         progress.set_postfix_str(f"{net} {curve[1]} batch {batch}")
-        budget = cell_budget(strategy, options, memory)
-        if args.from_rows:
-            row = stored_row(net, strategy, batch, args.device, budget, options, args.rows)
-        else:
-            row = run_cell(net, strategy, batch_size=batch, device=args.device, options=options, budget=budget,
-                           warmup_steps=2, timed_steps=args.timed_steps, results_dir=args.rows, resume=True)
+        row = run_within(net, strategy, options, batch, memory, args.device, args.rows, args.from_rows,
+                         warmup_steps=2, timed_steps=args.timed_steps)
         rows.append(row)
         if not fits(row, memory):
             past_the_end.add(curve)

@@ -155,3 +155,20 @@ def test_submitit_local_launcher_runs_a_sweep(tmp_path):
     rows = load_results(tmp_path / "rows")
     assert sorted(rows.strategy) == ["chen_sqrt", "vanilla"] and set(rows.status) == {"ok"}
     assert list(Path(tmp_path / "multirun").rglob("*_submitted.pkl"))  # the jobs went through submitit
+
+
+def test_a_plan_that_overshoots_its_budget_runs_again_within_it(monkeypatch, tmp_path):
+    asked = []
+
+    def run_cell(net, strategy, *, budget, **kwargs):  # the plan fills its budget; the run measures 0.3 GB more
+        asked.append(budget)
+        if budget is None:
+            return {"status": "ok", "measured_peak_bytes": 5 * 10**9}
+        return {"status": "ok", "measured_peak_bytes": budget + 300_000_000 if len(asked) == 1 else budget}
+
+    monkeypatch.setattr(max_batch, "run_cell", run_cell)
+    row = max_batch.run_within("resnet50", "approx_dp", {"mode": "tc"}, 128, 10**10, "meta", tmp_path)
+    assert asked == [10**10, 10**10 - 300_000_000] and max_batch.fits(row, 10**10)
+    asked.clear()
+    max_batch.run_within("resnet50", "approx_dp", {"mode": "mc"}, 128, 10**10, "meta", tmp_path)
+    assert asked == [None]  # the memory-centric DP runs at its minimal budget, once
