@@ -98,7 +98,7 @@ def run_within(net: str, strategy: str, options: dict, batch: int, memory: int, 
 
     budget = cell_budget(strategy, options, memory)
     row = probe(budget)
-    if budget is not None and row["status"] == "ok" and row["measured_peak_bytes"] > memory:
+    if budget is not None and row["status"] == "ok" and memory < row["measured_peak_bytes"] < 2 * memory:
         row = probe(budget - (row["measured_peak_bytes"] - memory))
     return row
 
