@@ -99,9 +99,12 @@ def test_static_plan_reuses_in_place():
     assert static_plan_bytes(g, steps, inplace=True) < static_plan_bytes(g, steps, inplace=False)
 
 
-def test_every_strategy_has_one_config_and_the_contract():
-    stems = sorted(p.stem for p in (CONFIGS / "strategy").glob("*.yaml"))
-    assert stems == strategies.available()
+def test_every_strategy_has_its_config_and_the_contract():
+    stems = {p.stem for p in (CONFIGS / "strategy").glob("*.yaml")}
+    assert set(strategies.available()) <= stems
+    # The others are variants of one strategy (approx_dp_mc: approx_dp, mode mc).
+    assert all(any(stem.startswith(name + "_") for name in strategies.available())
+               for stem in stems - set(strategies.available()))
     for name in strategies.available():
         module = strategies.module(name)
         assert isinstance(module.BUDGET_LIVENESS, bool)
