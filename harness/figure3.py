@@ -31,7 +31,8 @@ import pandas as pd  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from harness.budget import parse_budget  # noqa: E402
-from harness.max_batch import fits, label, run_within  # noqa: E402
+from harness.max_batch import fits, run_within  # noqa: E402
+from harness.results import label  # noqa: E402
 
 BATCHES = {"resnet152": [16, 32, 48, 64, 96, 128, 160, 192, 224, 256], "pspnet": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}
 CURVES = [("vanilla", {}), ("approx_dp", {"mode": "tc"}), ("approx_dp", {"mode": "mc"}), ("chen_sqrt", {})]

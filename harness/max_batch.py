@@ -26,7 +26,7 @@ from tqdm import tqdm
 from harness import nets
 from harness.budget import parse_budget
 from harness.paper_numbers import TABLE1_GB
-from harness.results import cell_name, read_row
+from harness.results import cell_name, label, read_row
 from harness.run import run_cell
 
 # (strategy, options), seed 004's columns first; options as the strategy configs give them.
@@ -41,10 +41,6 @@ def cell_budget(strategy: str, options: dict, memory: int) -> int | None:
     if options.get("mode") == "tc" or strategy in USES_DEVICE_BUDGET:
         return memory
     return None
-
-
-def label(strategy: str, options: dict) -> str:
-    return strategy + (f" ({options['mode']})" if options.get("mode") else "")
 
 
 def fits(row: dict, memory: int) -> bool:

@@ -24,7 +24,7 @@ from hydra.experimental.callback import Callback
 
 from harness import nets
 from harness.paper_numbers import K40C_GB, OUT_OF_MEMORY, TABLE1_GB, TABLE2_GB
-from harness.results import load_results
+from harness.results import label, load_results, mode_of
 
 GB = 1e9
 
@@ -61,8 +61,7 @@ def _ratio(value, unit) -> float:
 def strategies_table(rows: pd.DataFrame) -> pd.DataFrame:
     """Per net and strategy: measured and predicted peak, reduction against vanilla, beside seed 004."""
     rows = rows[rows.status == "ok"].copy()
-    rows["mode"] = [options.get("mode") or (f"on {options['base']}" if options.get("base") else "")
-                    for options in rows.options]
+    rows["mode"] = [mode_of(options) for options in rows.options]
     out = []
     for net in nets.available():
         cells = rows[rows.net == net]
@@ -91,15 +90,9 @@ def strategies_table(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-# Seed 004's columns, then ours; labels as ``_label`` makes them.
+# Seed 004's columns, then ours; labels as ``results.label`` makes them.
 PAPER_ORDER = ("approx_dp (mc)", "approx_dp (tc)", "exact_dp (mc)", "exact_dp (tc)", "chen_sqrt", "vanilla",
                "liveness_only", "chen_greedy", "swap")
-
-
-def _label(strategy: str, options: dict) -> tuple[str, str]:
-    """(label, mode): ``approx_dp (mc)``, ``swap (on approx_dp)``, ``vanilla``."""
-    mode = options.get("mode") or (f"on {options['base']}" if options.get("base") else "")
-    return strategy + (f" ({mode})" if mode else ""), mode
 
 
 def _latest_cells(rows: pd.DataFrame, device: str) -> dict[tuple[str, str], pd.Series]:
@@ -109,9 +102,9 @@ def _latest_cells(rows: pd.DataFrame, device: str) -> dict[tuple[str, str], pd.S
         spec = nets.spec(row.net)
         if (row.batch_size, row.image_size, row.cost_model) != (spec.batch_size, spec.image_size, "paper"):
             continue
-        if row.budget_bytes is not None and not pd.isna(row.budget_bytes):
+        if pd.notna(row.budget_bytes):
             continue
-        cells[(row.net, _label(row.strategy, row.options)[0])] = row
+        cells[(row.net, label(row.strategy, row.options))] = row
     return cells
 
 
@@ -137,28 +130,28 @@ def _paper_cell(published: dict, key: tuple[str, str]) -> tuple[str | float, str
 
 
 def _ordered_labels(cells: dict, net: str) -> list[str]:
-    labels = {label for (n, label) in cells if n == net}
-    return [label for label in PAPER_ORDER if label in labels] + sorted(labels - set(PAPER_ORDER))
+    names = {name for (n, name) in cells if n == net}
+    return [name for name in PAPER_ORDER if name in names] + sorted(names - set(PAPER_ORDER))
 
 
 def table1(rows: pd.DataFrame) -> pd.DataFrame:
     """Seed 004's Table 1 with ours beside each cell: the simulator's prediction, and the measured peak on
     every device that has rows (meta: the tracker's live bytes; cuda: the allocator's peak)."""
-    rows = rows[rows.strategy.isin({label.split(" ")[0] for label in PAPER_ORDER})]
+    rows = rows[rows.strategy.isin({name.split(" ")[0] for name in PAPER_ORDER})]
     devices = [d for d in ("meta", "cpu", "cuda") if d in set(rows.device)]
     by_device = {device: _latest_cells(rows, device) for device in devices}
     out = []
     for net in _paper_net_order():
         labels = _ordered_labels({k: v for cells in by_device.values() for k, v in cells.items()}, net)
         vanilla = {device: _peak(cells.get((net, "vanilla"))) for device, cells in by_device.items()}
-        for label in labels:
-            any_row = next(cells[(net, label)] for cells in by_device.values() if (net, label) in cells)
-            paper_gb, paper_vs = _paper_cell(TABLE1_GB.get(net, {}), _paper_key(label))
-            line = {"net": net, "strategy": label, "batch": any_row.batch_size,
+        for name in labels:
+            any_row = next(cells[(net, name)] for cells in by_device.values() if (net, name) in cells)
+            paper_gb, paper_vs = _paper_cell(TABLE1_GB.get(net, {}), (any_row.strategy, mode_of(any_row.options)))
+            line = {"net": net, "strategy": name, "batch": any_row.batch_size,
                     "paper GB": paper_gb, "paper vs vanilla": paper_vs,
                     "predicted GB": _ratio(any_row.get("predicted_peak_bytes"), GB)}
             for device, cells in by_device.items():
-                row = cells.get((net, label))
+                row = cells.get((net, name))
                 line[f"{device} GB"] = _peak(row)
                 line[f"{device} vs vanilla"] = _vs(line[f"{device} GB"], vanilla[device])
                 if device == "cuda":
@@ -188,16 +181,16 @@ def table2(rows: pd.DataFrame) -> pd.DataFrame:
     own. The measured peak with liveness sits beside, for contrast. ``liveness_only`` and ``swap`` are left
     out: without liveness both are vanilla holding everything. The paper's own reductions in Table 2 are
     not against its vanilla column (3.2 GB is "-57%" of 9.4), so only its GB are printed."""
-    rows = rows[rows.strategy.isin({label.split(" ")[0] for label in PAPER_ORDER} - {"liveness_only", "swap"})]
+    rows = rows[rows.strategy.isin({name.split(" ")[0] for name in PAPER_ORDER} - {"liveness_only", "swap"})]
     cells = _latest_cells(rows, "meta")
     out = []
     for net in _paper_net_order():
         vanilla = _peak(cells.get((net, "vanilla")))
-        for label in _ordered_labels(cells, net):
-            row = cells[(net, label)]
-            model = vanilla if label == "vanilla" else _ratio(row.get("predicted_peak_no_liveness_bytes"), GB)
-            paper_gb, _ = _paper_cell(TABLE2_GB.get(net, {}), _paper_key(label))
-            out.append({"net": net, "strategy": label, "batch": row.batch_size, "paper GB (no liveness)": paper_gb,
+        for name in _ordered_labels(cells, net):
+            row = cells[(net, name)]
+            model = vanilla if name == "vanilla" else _ratio(row.get("predicted_peak_no_liveness_bytes"), GB)
+            paper_gb, _ = _paper_cell(TABLE2_GB.get(net, {}), (row.strategy, mode_of(row.options)))
+            out.append({"net": net, "strategy": name, "batch": row.batch_size, "paper GB (no liveness)": paper_gb,
                         "ours GB (no liveness)": model,
                         "ours vs vanilla": _vs(model, vanilla),
                         "over the K40c": "yes" if isinstance(model, float) and model > K40C_GB else "",
@@ -210,11 +203,6 @@ def table2(rows: pd.DataFrame) -> pd.DataFrame:
 
 def _paper_net_order() -> list[str]:
     return [*TABLE1_GB, *(net for net in nets.available() if net not in TABLE1_GB)]
-
-
-def _paper_key(label: str) -> tuple[str, str]:
-    strategy, _, mode = label.partition(" (")
-    return strategy, mode.rstrip(")") if mode in ("mc)", "tc)") else ""
 
 
 TABLES = {"spine": spine_table, "strategies": strategies_table, "table1": table1, "table2": table2}

@@ -22,6 +22,17 @@ def cell_name(row: dict) -> str:
             f"__{row['cost_model']}__{row['device']}.json")
 
 
+def mode_of(options: dict) -> str:
+    """What tells a strategy's variants apart in tables: a DP's mode, or the plan swap runs on."""
+    return options.get("mode") or (f"on {options['base']}" if options.get("base") else "")
+
+
+def label(strategy: str, options: dict) -> str:
+    """A strategy as tables name it: ``approx_dp (mc)``, ``swap (on approx_dp)``, ``vanilla``."""
+    mode = mode_of(options)
+    return strategy + (f" ({mode})" if mode else "")
+
+
 def write_row(row: dict, directory: str | os.PathLike) -> Path:
     """Write ``row`` to ``directory/cell_name(row)``; a reader never sees half a file."""
     directory = Path(directory)
