@@ -16,6 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numba
 import pandas as pd
 from tqdm import tqdm
 
@@ -83,7 +84,8 @@ def main(argv=None) -> None:
     command = " ".join(["python -m harness.bench_solvers", str(args.out)] + [
         f"--repeat {args.repeat}"] + ([f"--max-lower-sets {args.max_lower_sets}"] if args.max_lower_sets else []))
     header = (f"Made by `{command}` on {datetime.date.today().isoformat()}, "
-              f"{platform.processor() or platform.machine()}, one process; times are medians of {args.repeat} "
+              f"{platform.processor() or platform.machine()}, one process, {numba.get_num_threads()} numba threads "
+              f"(the DPs' two passes over every transition run on all of them); times are medians of {args.repeat} "
               f"runs, after a warm-up that compiled or loaded the numba kernels in {warm_up_s:.1f} s.\n\n")
     args.out.with_suffix(".md").write_text(header + table.to_markdown(index=False, floatfmt=".3f") + "\n")
 

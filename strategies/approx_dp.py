@@ -7,9 +7,9 @@ its chains are a subset. At most |V| + 2 lower sets, so O(|V|² · t(V)) at wors
 
 from __future__ import annotations
 
-from strategies.graph import Graph
+from strategies.graph import Graph, words_of
 from strategies.lower_set_dp import Options, solve_family
-from strategies.lower_sets import principal_lower_sets, words_of
+from strategies.lower_sets import principal_lower_sets
 from strategies.plan import Plan
 
 # Budgets are judged by simulate(..., liveness=False): seed 004's model, the one the DP optimises.

@@ -2,15 +2,17 @@
 they compute.
 
 A family of lower sets is a ``(count, W)`` array of 64-bit words, one row per set, sorted by (memory,
-size) so that a subset always comes before its supersets; ``boundary`` holds each set's ∂(L) the same
-way. ``values`` holds per set the columns below; ``lists`` two CSR pairs (pointers, indices): per set its
-maximal nodes, and per node the (ascending) sets holding it.
+size) so that a subset always comes before its supersets. The passes take it as ``sets``, a tuple
+(``Table.sets`` in ``lower_set_dp.py``): ``boundary``, each set's ∂(L) as words; ``values``, per set the
+columns below; a CSR pair (pointers, indices) of each set's maximal nodes; ``holders`` and ``bounded``,
+per node the sets holding it in L and in ∂(L), as rows of bits over the family (``transpose``); and the
+nodes' memory and time.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import get_num_threads, njit, prange
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 # Columns of ``values``, for a lower set L: m(L); 2 m(L) + m(A(L)) + m(B(L)) with A(L) = δ⁺(L) \ L and
@@ -19,6 +21,7 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 MEM, KEY, MEM_BOUNDARY, TIME, TIME_BOUNDARY, SIZE = range(6)
 
 ONE = np.uint64(1)
+LEVELS = 64  # rows of bits by a bound on the value still to come, in ``pareto_chains``
 
 
 @njit(cache=True)
@@ -126,61 +129,16 @@ def rows(words, n):
 
 
 @njit(cache=True)
-def columns(pointers, indices, n):
-    """The transpose of a CSR from ``rows``: each node's rows, ascending."""
-    count = pointers.shape[0] - 1
-    sizes = np.zeros(n + 1, dtype=np.int64)
-    for v in indices:
-        sizes[v + 1] += 1
-    column_pointers = np.cumsum(sizes)
-    column_indices = np.empty(indices.shape[0], dtype=np.int64)
-    filled = column_pointers[:n].copy()
+def transpose(words, n):
+    """Per node, the sets whose row holds it, as a row of bits over the family (bit ``s`` of word ``s >> 6``)."""
+    count = words.shape[0]
+    columns = np.zeros((n, (count + 63) >> 6), dtype=np.uint64)
     for s in range(count):
-        for v in indices[pointers[s]:pointers[s + 1]]:
-            column_indices[filled[v]] = s
-            filled[v] += 1
-    return column_pointers, column_indices
-
-
-@njit(cache=True, inline="always")
-def _candidates(i, last, lists, everything):
-    """Indices ``j`` in ``(i, last)`` that may hold ``L_i``: a superset holds its maximal nodes, so the
-    window's part of the shortest posting list among them (every later set when ``L_i = ∅``)."""
-    top_ptr, top_idx, post_ptr, post_idx = lists
-    if top_ptr[i] == top_ptr[i + 1]:
-        return everything[i + 1:last]
-    best_v, best_lo, best_hi = -1, 0, 0
-    for t in range(top_ptr[i], top_ptr[i + 1]):
-        v = top_idx[t]
-        postings = post_idx[post_ptr[v]:post_ptr[v + 1]]
-        lo = np.searchsorted(postings, i + 1)
-        hi = np.searchsorted(postings, last)
-        if best_v < 0 or hi - lo < best_hi - best_lo:
-            best_v, best_lo, best_hi = v, lo, hi
-    return post_idx[post_ptr[best_v] + best_lo:post_ptr[best_v] + best_hi]
-
-
-@njit(cache=True, inline="always")
-def _holds(words, j, i):
-    """L_j ⊇ L_i."""
-    for w in range(words.shape[1]):
-        if words[i, w] & ~words[j, w]:
-            return False
-    return True
-
-
-@njit(cache=True, inline="always")
-def _shared(words, boundary, node_mem, node_time, j, i):
-    """``(m, t)(∂(L_j) ∩ L_i)``, the part of the new boundary already computed before the stage."""
-    mem, time = 0.0, 0.0
-    for w in range(words.shape[1]):
-        overlap = boundary[j, w] & words[i, w]
-        while overlap:
-            v = 64 * w + trailing_zeros(overlap)
-            mem += node_mem[v]
-            time += node_time[v]
-            overlap &= overlap - ONE
-    return mem, time
+        bit = ONE << np.uint64(s & 63)
+        for v in range(n):
+            if words[s, v >> 6] >> np.uint64(v & 63) & ONE:
+                columns[v, s >> 6] |= bit
+    return columns
 
 
 @njit(cache=True, inline="always")
@@ -190,61 +148,164 @@ def _window_end(values, i, room):
 
 
 @njit(cache=True)
-def least_cache(words, boundary, values, lists, node_mem, node_time, budget):
-    """Per set, the least cache ``m(U)`` with which some chain reaches it within ``budget`` (inf: none)."""
-    count = words.shape[0]
-    everything = np.arange(count)
-    least = np.full(count, np.inf)
-    least[0] = 0.0
-    for i in range(count - 1):
-        cache = least[i]
-        if cache == np.inf:
-            continue
-        last = _window_end(values, i, budget - cache)
-        if last <= i + 1:
-            continue
-        room = budget - cache + 2 * values[i, MEM]
-        for j in _candidates(i, last, lists, everything):
-            if values[j, KEY] > room or not _holds(words, j, i):
+def _transitions(sets, i, cache, budget, keep, start, stop, out):
+    """The stages from ``L_i`` with cache ``cache`` that fit ``budget``: every superset ``L_j`` with
+    ``max(i + 1, start) <= j < stop`` in ``keep`` (a row of bits over the family) and ``cache + KEY[j] -
+    2 m(L_i) <= budget``, ascending, written to ``out = (sets, caches, times)``, with the cache
+    ``m(∂(L_j) \\ L_i)`` and the overhead ``t((L_j \\ L_i) \\ ∂(L_j))`` the stage adds. Returns their number.
+
+    A superset holds the maximal nodes of ``L_i``: the AND of their rows in ``holders``, 64 sets a word,
+    over the window of sets light enough to fit. The part of ``∂(L_j)`` inside ``L_i`` lies in ``∂(L_i)``,
+    a few nodes; each adds itself to the sets of the word whose boundary holds it (its row in
+    ``bounded``), in ascending node order, so the sums are those of adding the members one by one."""
+    boundary, values, top_ptr, top_idx, holders, bounded, node_mem, node_time = sets
+    out_set, out_cache, out_time = out
+    first, last = max(i + 1, start), min(stop, _window_end(values, i, budget - cache))
+    if last <= first:
+        return 0
+    room = budget - cache + 2 * values[i, MEM]
+    edge = np.empty(64 * boundary.shape[1], dtype=np.int64)  # ∂(L_i)
+    size = 0
+    for w in range(boundary.shape[1]):
+        rest = boundary[i, w]
+        while rest:
+            edge[size] = 64 * w + trailing_zeros(rest)
+            size += 1
+            rest &= rest - ONE
+    shared_mem, shared_time = np.zeros(64), np.zeros(64)  # per set of the word: (m, t)(∂(L_j) ∩ L_i)
+    count = 0
+    first_word, last_word = first >> 6, (last - 1) >> 6
+    for w in range(first_word, last_word + 1):
+        word = keep[w]
+        if w == first_word:
+            word &= ~np.uint64(0) << np.uint64(first & 63)
+        if w == last_word:
+            word &= ~np.uint64(0) >> np.uint64(63 - ((last - 1) & 63))
+        for t in range(top_ptr[i], top_ptr[i + 1]):
+            word &= holders[top_idx[t], w]
+        for k in range(size):
+            v = edge[k]
+            rest = word & bounded[v, w]
+            while rest:
+                bit = trailing_zeros(rest)
+                rest &= rest - ONE
+                shared_mem[bit] += node_mem[v]
+                shared_time[bit] += node_time[v]
+        while word:
+            bit = trailing_zeros(word)
+            word &= word - ONE
+            j = 64 * w + bit
+            mem, time = shared_mem[bit], shared_time[bit]
+            shared_mem[bit] = shared_time[bit] = 0.0
+            if values[j, KEY] > room:
                 continue
-            after = cache + values[j, MEM_BOUNDARY] - _shared(words, boundary, node_mem, node_time, j, i)[0]
-            if after < least[j]:
-                least[j] = after
-    return least
+            out_set[count] = j
+            out_cache[count] = values[j, MEM_BOUNDARY] - mem
+            out_time[count] = values[j, TIME] - values[i, TIME] - values[j, TIME_BOUNDARY] + time
+            count += 1
+    return count
 
 
 @njit(cache=True)
-def backward(words, boundary, values, lists, node_mem, node_time, budget, least):
+def _buffers(count, lanes=1):
+    """Room for the transitions from one set, per lane, and a ``keep`` row of every set."""
+    out = np.empty((lanes, count), dtype=np.int64), np.empty((lanes, count)), np.empty((lanes, count))
+    return out, np.full((count + 63) >> 6, ~np.uint64(0))
+
+
+# NOTE [lanes]: the two passes over every transition run on all cores. The family is cut into blocks of
+# consecutive sets (BLOCK); the stages that leave a block are spread over lanes (every lane-th set), and
+# those within it are taken in order by one lane. The passes only take minima and maxima, so their results
+# do not depend on the number of lanes.
+BLOCK = 256
+
+
+def least_cache(sets, budget):
+    """``_least_cache`` on every core numba may use."""
+    return _least_cache(sets, budget, get_num_threads(), BLOCK)
+
+
+def backward(sets, budget, least):
+    """``_backward`` on every core numba may use."""
+    return _backward(sets, budget, least, get_num_threads(), BLOCK)
+
+
+@njit(cache=True, parallel=True)
+def _least_cache(sets, budget, lanes, block):
+    """Per set, the least cache ``m(U)`` with which some chain reaches it within ``budget`` (inf: none).
+
+    Pushed forward (NOTE [lanes]): a block's sets are final once every earlier block has pushed into it
+    (each lane into a row of its own) and the block has pushed into itself, in order."""
+    count = sets[1].shape[0]
+    (out_set, out_cache, out_time), everything = _buffers(count, lanes)
+    pushed = np.full((lanes, count), np.inf)
+    least = np.full(count, np.inf)
+    least[0] = 0.0
+    for start in range(0, count, block):
+        stop = min(start + block, count)
+        for j in range(start, stop):
+            for lane in range(lanes):
+                least[j] = min(least[j], pushed[lane, j])
+        inside = (out_set[0], out_cache[0], out_time[0])
+        for i in range(start, stop):
+            if least[i] < np.inf:
+                for e in range(_transitions(sets, i, least[i], budget, everything, i + 1, stop, inside)):
+                    j = out_set[0, e]
+                    least[j] = min(least[j], least[i] + out_cache[0, e])
+        for lane in prange(lanes):
+            out = (out_set[lane], out_cache[lane], out_time[lane])
+            for i in range(start + lane, stop, lanes):
+                if least[i] < np.inf:
+                    for e in range(_transitions(sets, i, least[i], budget, everything, stop, count, out)):
+                        j = out_set[lane, e]
+                        pushed[lane, j] = min(pushed[lane, j], least[i] + out_cache[lane, e])
+    return least
+
+
+@njit(cache=True, inline="always")
+def _pull(sets, i, budget, least, most, low, high, keep, start, stop, out):
+    """Fold into ``most[i], low[i], high[i]`` the stages from ``L_i`` to the sets in ``[start, stop)``."""
+    values = sets[1]
+    out_set, out_cache, out_time = out
+    most_i, low_i, high_i = most[i], low[i], high[i]
+    for e in range(_transitions(sets, i, least[i], budget, keep, start, stop, out)):
+        j = out_set[e]
+        if least[i] + out_cache[e] > most[j]:
+            continue  # also when most[j] = -inf: no chain finishes from L_j
+        stage = values[j, KEY] - 2 * values[i, MEM]
+        most_i = max(most_i, min(budget - stage, most[j] - out_cache[e]))
+        low_i = min(low_i, out_time[e] + low[j])
+        high_i = max(high_i, out_time[e] + high[j])
+    most[i], low[i], high[i] = most_i, low_i, high_i
+
+
+@njit(cache=True, parallel=True)
+def _backward(sets, budget, least, lanes, block):
     """Per set, from the sets some chain reaches within ``budget`` (``least`` finite), backwards:
     ``most``, the most cache with which a chain can still go on to V (-inf: none can), and the least and
     the most overhead of the rest of such a chain when every stage starts from the least cache that can
-    reach its set (a relaxation, so bounds on the overhead still to come from any state of the set)."""
-    count = words.shape[0]
-    everything = np.arange(count)
+    reach its set (a relaxation, so bounds on the overhead still to come from any state of the set).
+
+    Pulled backward (NOTE [lanes]): the blocks from the last, each set pulling first from the later
+    blocks, which are final, then, in descending order, from its own."""
+    count = sets[1].shape[0]
+    (out_set, out_cache, out_time), everything = _buffers(count, lanes)
     most = np.full(count, -np.inf)
     most[count - 1] = np.inf
     low = np.full(count, np.inf)
     high = np.full(count, -np.inf)
     low[count - 1] = high[count - 1] = 0.0
-    for i in range(count - 2, -1, -1):
-        if least[i] == np.inf:
-            continue
-        last = _window_end(values, i, budget - least[i])
-        if last <= i + 1:
-            continue
-        room = budget - least[i] + 2 * values[i, MEM]
-        for j in _candidates(i, last, lists, everything):
-            if values[j, KEY] > room or most[j] == -np.inf or not _holds(words, j, i):
-                continue
-            shared_mem, shared_time = _shared(words, boundary, node_mem, node_time, j, i)
-            added_cache = values[j, MEM_BOUNDARY] - shared_mem
-            if least[i] + added_cache > most[j]:
-                continue
-            stage = values[j, KEY] - 2 * values[i, MEM]
-            most[i] = max(most[i], min(budget - stage, most[j] - added_cache))
-            added_time = values[j, TIME] - values[i, TIME] - values[j, TIME_BOUNDARY] + shared_time
-            low[i] = min(low[i], added_time + low[j])
-            high[i] = max(high[i], added_time + high[j])
+    for stop in range(count - 1, 0, -block):  # V is final from the start
+        start = max(0, stop - block)
+        for lane in prange(lanes):
+            out = (out_set[lane], out_cache[lane], out_time[lane])
+            for i in range(start + lane, stop, lanes):
+                if least[i] < np.inf:
+                    _pull(sets, i, budget, least, most, low, high, everything, stop, count, out)
+        inside = (out_set[0], out_cache[0], out_time[0])
+        for i in range(stop - 1, start - 1, -1):
+            if least[i] < np.inf:
+                _pull(sets, i, budget, least, most, low, high, everything, i + 1, stop, inside)
     return most, low, high
 
 
@@ -280,16 +341,46 @@ def _insert(frontier, parents, sizes, j, value, cache, parent_set, parent_slot):
 
 
 @njit(cache=True)
-def pareto_chains(words, boundary, values, lists, node_mem, node_time, budget, objective, most, to_go, cutoff):
+def _levels(ahead, count):
+    """Rows of bits over the family: row ``l`` holds the sets with ``ahead <= thresholds[l]``, the
+    thresholds being quantiles of ``ahead``; with, per row, the least ``ahead`` of the sets it leaves out."""
+    ranked = np.sort(ahead[np.isfinite(ahead)])
+    thresholds = np.unique(ranked[np.linspace(0, len(ranked) - 1, min(LEVELS, len(ranked))).astype(np.int64)])
+    beyond = np.full(len(thresholds), np.inf)
+    for l in range(len(thresholds)):
+        above = np.searchsorted(ranked, thresholds[l], side="right")
+        if above < len(ranked):
+            beyond[l] = ranked[above]
+    masks = np.zeros((len(thresholds), (count + 63) >> 6), dtype=np.uint64)
+    for j in range(count):
+        for l in range(np.searchsorted(thresholds, ahead[j]), len(thresholds)):
+            masks[l, j >> 6] |= ONE << np.uint64(j & 63)
+    return thresholds, beyond, masks
+
+
+@njit(cache=True)
+def pareto_chains(sets, budget, objective, most, to_go, cutoff):
     """Forward DP keeping, per set, the Pareto frontier of (value, cache) over the chains that reach it
     within ``budget`` and can still finish (``cache <= most``). ``objective``: 0 value = the stage peak
     so far (the least budget), 1 value = overhead (time-centric), 2 value = -overhead (memory-centric).
     A state whose value plus ``to_go`` (a lower bound on the value still to come) exceeds ``cutoff`` is
     dropped. Returns ``(frontier, parents, sizes, over)``: ``frontier[s, k] = (value, cache)``,
     ``parents[s, k] = (set, slot)`` of the state it came from, and ``over`` the least value plus bound
-    among the dropped states (the next cutoff worth trying)."""
-    count = words.shape[0]
-    everything = np.arange(count)
+    among the dropped states (the next cutoff worth trying), or a lower bound on it."""
+    values = sets[1]
+    count = values.shape[0]
+    (out_sets, out_caches, out_times), keep_all = _buffers(count)
+    out = out_set, out_cache, out_time = out_sets[0], out_caches[0], out_times[0]
+    # A stage from L_i to L_j adds at least t(L_j \\ L_i) - t(∂(L_j)) and at most t(L_j \\ L_i) of
+    # overhead, so the value at L_j is at least best + sign t(L_i) + ahead[j], best being the least value
+    # at L_i: the sets where that bound exceeds the cutoff are left out a word at a time, by ``_levels``.
+    sign = -1.0 if objective == 1 else 1.0
+    if objective == 1:
+        ahead = values[:, TIME] - values[:, TIME_BOUNDARY] + to_go
+    else:
+        ahead = to_go - values[:, TIME]
+    thresholds, beyond, masks = _levels(ahead, count)
+    slack = 1e-9 * max(1.0, abs(cutoff))  # the bound and the values sum in another order
     capacity = 8
     frontier = np.zeros((count, capacity, 2))
     parents = np.zeros((count, capacity, 2), dtype=np.int32)
@@ -309,32 +400,25 @@ def pareto_chains(words, boundary, values, lists, node_mem, node_time, budget, o
             grown_parents = np.zeros((count, capacity, 2), dtype=np.int32)
             grown_parents[:, :parents.shape[1]] = parents
             parents = grown_parents
-        least = frontier[i, 0, 1]
-        best = frontier[i, k - 1, 0]  # the least value at set i
-        last = _window_end(values, i, budget - least)
-        if last <= i + 1:
-            continue
-        room = budget - least + 2 * values[i, MEM]
-        for j in _candidates(i, last, lists, everything):
-            if values[j, KEY] > room or most[j] == -np.inf:
+        best = frontier[i, k - 1, 0]  # the least value at set i, at its greatest cache
+        keep = keep_all
+        if objective:
+            level = np.searchsorted(thresholds, cutoff - best - sign * values[i, TIME] + slack)
+            if level < len(thresholds):
+                keep = masks[level]
+                over = min(over, best + sign * values[i, TIME] + beyond[level])
+        for e in range(_transitions(sets, i, frontier[i, 0, 1], budget, keep, 0, count, out)):
+            j = out_set[e]
+            if most[j] == -np.inf:
                 continue
-            # Before the superset test: the stage adds at least t(L_j \ L_i) - t(∂(L_j)) and at most
-            # t(L_j \ L_i) of overhead, so a bound on the value at j may already exceed the cutoff.
-            if objective == 1:
-                bound = best + values[j, TIME] - values[i, TIME] - values[j, TIME_BOUNDARY] + to_go[j]
-            elif objective == 2:
-                bound = best - values[j, TIME] + values[i, TIME] + to_go[j]
-            else:
-                bound = -np.inf
-            if bound > cutoff:
-                over = min(over, bound)
+            added_cache, added_time = out_cache[e], out_time[e]
+            if objective == 1 and best + added_time + to_go[j] > cutoff:
+                over = min(over, best + added_time + to_go[j])
                 continue
-            if not _holds(words, j, i):
+            if objective == 2 and best - added_time + to_go[j] > cutoff:
+                over = min(over, best - added_time + to_go[j])
                 continue
             stage = values[j, KEY] - 2 * values[i, MEM]
-            shared_mem, shared_time = _shared(words, boundary, node_mem, node_time, j, i)
-            added_cache = values[j, MEM_BOUNDARY] - shared_mem
-            added_time = values[j, TIME] - values[i, TIME] - values[j, TIME_BOUNDARY] + shared_time
             for slot in range(k):
                 cache = frontier[i, slot, 1]
                 if cache + stage > budget or cache + added_cache > most[j]:

@@ -13,9 +13,9 @@ before its supersets and no transition is missed.
 
 from __future__ import annotations
 
-from strategies.graph import Graph
+from strategies.graph import Graph, words_of
 from strategies.lower_set_dp import Options, minimal_budget, prepare, solve_family
-from strategies.lower_sets import all_lower_set_words, principal_lower_sets, words_of
+from strategies.lower_sets import all_lower_set_words, principal_lower_sets
 from strategies.plan import Plan
 
 # Budgets are judged by simulate(..., liveness=False): seed 004's model, the one the DP optimises.

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
+import numpy as np
+
 
 def bits(nodes: Iterable[int]) -> int:
     """The bitset holding ``nodes``."""
@@ -26,7 +28,25 @@ def bits(nodes: Iterable[int]) -> int:
 
 def members(mask: int) -> list[int]:
     """The nodes of a bitset, ascending."""
-    return [v for v, bit in enumerate(reversed(bin(mask)[2:])) if bit == "1"]
+    raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), dtype=np.uint8)
+    return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
+
+
+def words_of(bitsets, n: int) -> np.ndarray:
+    """Bitsets as rows of 64-bit words, the form numpy and the compiled DP kernels take."""
+    width = max(1, (n + 63) // 64)
+    raw = b"".join(s.to_bytes(8 * width, "little") for s in bitsets)
+    return np.frombuffer(raw, dtype="<u8").reshape(-1, width).copy()
+
+
+def bitset(row: np.ndarray) -> int:
+    """A row of words back to a bitset."""
+    return int.from_bytes(row.astype("<u8").tobytes(), "little")
+
+
+def _union(rows: np.ndarray, nodes: int) -> int:
+    """The union of the rows (bitsets as words, one per node) of ``nodes``."""
+    return bitset(np.bitwise_or.reduce(rows[members(nodes)], axis=0, initial=np.uint64(0)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +80,8 @@ class Graph:
     pred_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
     succ_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
     ancestor_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    pred_words: np.ndarray = field(init=False, repr=False, compare=False)  # pred_mask as rows of words
+    succ_words: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __init__(self, mem_bytes, cost, edges, names=None, kinds=None, backward_reads=None,
                  saved_extra_bytes=None, param_bytes=None, scopes=None, flops=None):
@@ -80,6 +102,8 @@ class Graph:
         put("succs", tuple(tuple(s) for s in succs))
         put("pred_mask", tuple(bits(p) for p in preds))
         put("succ_mask", tuple(bits(s) for s in succs))
+        put("pred_words", words_of(self.pred_mask, n))
+        put("succ_words", words_of(self.succ_mask, n))
         ancestors = []
         for v in range(n):  # topological order: every predecessor's ancestors are known already
             mask = 1 << v
@@ -108,35 +132,29 @@ class Graph:
     def is_lower_set(self, nodes: int | Iterable[int]) -> bool:
         """True when no edge enters ``nodes`` from outside (closed under predecessors)."""
         mask = nodes if isinstance(nodes, int) else bits(nodes)
-        return all(self.pred_mask[v] & ~mask == 0 for v in members(mask))
+        return self.in_neighbours(mask) & ~mask == 0
 
     def boundary(self, lower: int) -> int:
-        """``∂(L)``: the nodes of ``lower`` with an edge leaving it."""
-        return bits(v for v in members(lower) if self.succ_mask[v] & ~lower)
+        """``∂(L)``: the nodes of ``lower`` with an edge leaving it (those feeding a node just outside)."""
+        return lower & self.in_neighbours(self.out_neighbours(lower) & ~lower)
 
     def out_neighbours(self, nodes: int) -> int:
         """``δ⁺(S)``: the nodes some node of ``nodes`` feeds."""
-        out = 0
-        for v in members(nodes):
-            out |= self.succ_mask[v]
-        return out
+        return _union(self.succ_words, nodes)
 
     def in_neighbours(self, nodes: int) -> int:
         """``δ⁻(S)``: the nodes that feed some node of ``nodes``."""
-        out = 0
-        for v in members(nodes):
-            out |= self.pred_mask[v]
-        return out
+        return _union(self.pred_words, nodes)
 
     def reaches(self, u: int, v: int) -> bool:
         """True when there is a path ``u -> ... -> v`` (or ``u == v``)."""
         return bool(self.ancestor_mask[v] >> u & 1)
 
     def mem(self, nodes: int) -> int:
-        return sum(self.mem_bytes[v] for v in members(nodes))
+        return sum(map(self.mem_bytes.__getitem__, members(nodes)))
 
     def time(self, nodes: int) -> float:
-        return sum(self.cost[v] for v in members(nodes))
+        return sum(map(self.cost.__getitem__, members(nodes)))
 
 
 def _validate(graph: Graph) -> None:

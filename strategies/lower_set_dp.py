@@ -10,8 +10,8 @@ A chain ``∅ = L_0 ⊊ L_1 ⊊ ... ⊊ L_k = V`` is built one lower set at a ti
 Lower sets are visited by memory, then size, so every subset comes before its supersets (the published
 DP.cpp visits them in discovery order and misses transitions: ``../shared/spec/kusumoto.md``, pitfall 6).
 The supersets that can follow ``L`` from cache ``m(U)`` lie in a window of that order, since the stage
-peak is at least ``m(U) + 2 m(L' \\ L)``; within it, only the sets holding the rarest maximal node of ``L``
-are candidates.
+peak is at least ``m(U) + 2 m(L' \\ L)``; within it, the sets holding every maximal node of ``L`` are
+found 64 at a time, as the AND of per-node rows of bits over the family.
 
 Per lower set, only Pareto-optimal states are expanded: for the time-centric objective (least overhead)
 a state is dropped when another has no more overhead and no more cache; for the memory-centric one (most
@@ -23,22 +23,24 @@ finish or cannot beat a cutoff raised IDA*-style until V is reached. None of thi
 optimal chain, so the result is the DP's optimum.
 
 The minimal feasible budget (seed 004's Table 1 runs at it) is computed exactly, where the paper bisected:
-the same forward pass with states (peak so far, cache), from a known feasible budget (one stage, or for the
-exact DP the approximate DP's minimum, often the answer itself, which one cheap pass then proves).
+the same forward pass with states (peak so far, cache), below a known feasible budget (one stage, or for
+the exact DP the approximate DP's minimum, often the answer itself, which one cheap pass then proves),
+once feasibility passes have narrowed the range.
 
 The passes are compiled with numba (``dp_kernels.py``): sets are rows of 64-bit words there, and Python
-ints (bitsets) everywhere else.
+ints (bitsets) everywhere else. The two passes over every transition (least cache, backward) use every
+core numba may (``NUMBA_NUM_THREADS``); their results do not depend on how many.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from strategies import dp_kernels as kernels
-from strategies.graph import Graph
-from strategies.lower_sets import bitset, words_of
+from strategies.graph import Graph, bitset
 from strategies.plan import InfeasibleBudget, Plan
 from strategies.simulate import equation_2_peak
 
@@ -57,31 +59,26 @@ class Table:
     """A family of lower sets sorted by (memory, size), with what the transitions need (``dp_kernels``)."""
 
     words: np.ndarray
-    boundary: np.ndarray
     values: np.ndarray
-    lists: tuple[np.ndarray, ...]
-    node_mem: np.ndarray
-    node_time: np.ndarray
+    sets: tuple  # what the kernels take: (boundary, values, maximal pointers, maximal indices, holders, bounded, node_mem, node_time)
 
     def __len__(self) -> int:
         return len(self.words)
-
-    def args(self) -> tuple:
-        return self.words, self.boundary, self.values, self.lists, self.node_mem, self.node_time
 
 
 def prepare(graph: Graph, words: np.ndarray) -> Table:
     n = len(graph)
     node_mem = np.array(graph.mem_bytes, dtype=np.float64)
     node_time = np.array(graph.cost, dtype=np.float64)
-    values, boundary, maximal = kernels.describe_sets(words, words_of(graph.pred_mask, n),
-                                                      words_of(graph.succ_mask, n), node_mem, node_time)
+    values, boundary, maximal = kernels.describe_sets(words, graph.pred_words, graph.succ_words, node_mem,
+                                                      node_time)
     order = np.lexsort((values[:, kernels.SIZE], values[:, kernels.MEM]))
     words, boundary, maximal = words[order], boundary[order], maximal[order]
     values = np.asfortranarray(values[order])  # the kernels read a column over many sets at a time
     assert not words[0].any() and bitset(words[-1]) == graph.all_nodes, "bug: a family runs from ∅ to V"
-    lists = (*kernels.rows(maximal, n), *kernels.columns(*kernels.rows(words, n), n))
-    return Table(words=words, boundary=boundary, values=values, lists=lists, node_mem=node_mem, node_time=node_time)
+    sets = (boundary, values, *kernels.rows(maximal, n), kernels.transpose(words, n),
+            kernels.transpose(boundary, n), node_mem, node_time)
+    return Table(words=words, values=values, sets=sets)
 
 
 def minimal_budget(table: Table, upper: float | None = None) -> float:
@@ -89,23 +86,33 @@ def minimal_budget(table: Table, upper: float | None = None) -> float:
     (default: one stage, 2 m(V)).
 
     Budgets are whole bytes, so when ``upper - 1`` is infeasible, ``upper`` is the answer (a pass that
-    fails usually fails within its first sets, so this check is cheap where it succeeds). Otherwise, one
-    forward pass keeping the Pareto frontier of (peak so far, cache) per set gives the exact minimum;
-    without a given ``upper``, feasibility passes (least cache per set) first bisect the one-stage bound
-    down to within 5%, as that pass slows with the slack of its bound."""
+    fails usually fails within its first sets, so this check is cheap where it succeeds). Otherwise
+    feasibility passes (least cache per set) narrow the range to within 1%: below a given ``upper``, which
+    is usually close, by steps that double until one fails, and by bisection. Then one forward pass
+    keeping the Pareto frontier of (peak so far, cache) per set gives the exact minimum; it slows with
+    the slack of its budget, the top of the range, so it drops the states that a backward pass shows
+    cannot finish within it."""
+    reach = {}  # budget -> least cache per set, kept for the last pass
+
     def feasible(budget):
-        return kernels.least_cache(*table.args(), budget)[-1] < np.inf
+        reach[budget] = kernels.least_cache(table.sets, budget)
+        return reach[budget][-1] < np.inf
 
     given = upper is not None
     high = float(upper) if given else float(table.values[-1, kernels.KEY])
     if not feasible(high - 1):
         return high
-    low, high = (high - 1, high - 1) if given else (0.0, high - 1)
-    while high - low > max(1.0, 0.05 * high):
+    high, low = high - 1, 0.0
+    if given:
+        step = max(1.0, (0.01 * high) // 1)
+        while step < high and feasible(high - step):
+            high, step = high - step, 2 * step
+        low = max(0.0, high - step)
+    while high - low > max(1.0, 0.01 * high):
         middle = float((low + high) // 2)
         low, high = (low, middle) if feasible(middle) else (middle, high)
-    frontier, _, sizes, _ = kernels.pareto_chains(*table.args(), high, 0, np.full(len(table), np.inf),
-                                                  np.zeros(len(table)), np.inf)
+    most = kernels.backward(table.sets, high, reach[high])[0]
+    frontier, _, sizes, _ = kernels.pareto_chains(table.sets, high, 0, most, np.zeros(len(table)), np.inf)
     return float(frontier[-1, :sizes[-1], 0].min())
 
 
@@ -116,27 +123,34 @@ def best_chain(table: Table, budget: float, mode: str) -> list[int] | None:
     A forward pass finds the least cache reaching each set, a backward pass the most cache that can still
     finish from it and bounds on the overhead still to come; the last pass keeps the Pareto frontier of
     (overhead, cache) per set, dropping states whose overhead plus bound exceeds a cutoff. The cutoff
-    starts at the bound and rises, at least to the least value a pass dropped (IDA*) and by a growing
-    step, until V is reached: the optimum, since no state of an optimal chain exceeds it."""
-    least = kernels.least_cache(*table.args(), budget)
+    starts at the bound and rises, at least to the least value a pass dropped (IDA*), until V is reached:
+    the optimum, since no state of an optimal chain exceeds it."""
+    least = kernels.least_cache(table.sets, budget)
     if least[-1] == np.inf:
         return None
-    most, low, high = kernels.backward(*table.args(), budget, least)
+    most, low, high = kernels.backward(table.sets, budget, least)
     objective, to_go = (1, low) if mode == "tc" else (2, -high)
-    start = cutoff = to_go[0]
-    # The optimum lies between the bounds. A pass that overshoots it costs far more than one that falls
-    # short (the paper's GoogLeNet, tc: 1.1 s at the optimum, 2.8 s at 10% above), so the cutoff rises
-    # by small steps.
-    step = 0.005 * (high[0] - low[0])
+    cutoff = to_go[0]
+    # The optimum lies between the bounds. The states a pass keeps grow about exponentially with the
+    # cutoff, and a pass past the optimum costs far more than one short of it (the paper's GoogLeNet, tc:
+    # 0.6 s at the optimum, 44, 1.2 s at 47.6, 2.6 s at 51.4), so each step aims at twice the states of the
+    # last pass, by their growth over the last step, and at most doubles.
+    step, kept = 0.005 * (high[0] - low[0]), 0
     last = len(table) - 1
     while True:
         slack = 1e-9 * max(1.0, abs(cutoff))  # overheads summed in another order may differ in the last bits
-        frontier, parents, sizes, over = kernels.pareto_chains(*table.args(), budget, objective, most, to_go,
+        frontier, parents, sizes, over = kernels.pareto_chains(table.sets, budget, objective, most, to_go,
                                                                cutoff + slack)
         if sizes[last]:
             break
         assert over < np.inf, "bug: V is reachable within the budget, yet no state was dropped"
-        cutoff = max(over, cutoff + max(step, 0.1 * (cutoff - start)))
+        states = int(sizes.sum())
+        if kept and states > kept:
+            step *= min(2.0, math.log(2) / math.log(states / kept))
+        else:
+            step *= 2
+        kept = states
+        cutoff = max(over, cutoff + step)
     chain, s, slot = [], last, int(np.argmin(frontier[last, :sizes[last], 0]))
     while s > 0:
         chain.append(s)

@@ -5,27 +5,15 @@ from __future__ import annotations
 import numpy as np
 
 from strategies import dp_kernels as kernels
-from strategies.graph import Graph
+from strategies.graph import Graph, bitset
 
 LIMIT = 5_000_000
-
-
-def words_of(bitsets, n: int) -> np.ndarray:
-    """Bitsets (Python ints) as rows of 64-bit words, the form the compiled DP kernels take."""
-    width = max(1, (n + 63) // 64)
-    raw = b"".join(s.to_bytes(8 * width, "little") for s in bitsets)
-    return np.frombuffer(raw, dtype="<u8").reshape(-1, width).copy()
-
-
-def bitset(row: np.ndarray) -> int:
-    """A row of words back to a bitset."""
-    return int.from_bytes(row.astype("<u8").tobytes(), "little")
 
 
 def all_lower_set_words(graph: Graph, limit: int = LIMIT) -> np.ndarray:
     """Every lower set of ``graph`` as rows of words (``dp_kernels.enumerate_lower_sets``); raises
     ``ValueError`` past ``limit`` rather than truncate."""
-    words, complete = kernels.enumerate_lower_sets(words_of(graph.pred_mask, len(graph)), limit)
+    words, complete = kernels.enumerate_lower_sets(graph.pred_words, limit)
     if not complete:
         raise ValueError(f"the graph has more than {limit} lower sets; the exact DP cannot enumerate them "
                          "(use approx_dp, or raise the limit)")

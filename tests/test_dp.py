@@ -1,11 +1,14 @@
 """The DPs against brute force over every chain of lower sets, and on hand-worked graphs."""
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from strategies import Graph, InfeasibleBudget, Plan, simulate, solve
-from strategies.lower_sets import all_lower_sets, principal_lower_sets
+from strategies import dp_kernels as kernels
+from strategies.lower_set_dp import minimal_budget, prepare
+from strategies.lower_sets import all_lower_set_words, all_lower_sets, principal_lower_sets
 from test_graph import diamond
 from test_simulate import chain
 
@@ -63,6 +66,21 @@ def test_exact_dp_is_optimal_for_every_budget(graph):
     with pytest.raises(InfeasibleBudget) as error:
         solve("exact_dp", graph, least_peak - 1)
     assert error.value.min_feasible_bytes == least_peak
+
+
+@settings(max_examples=40, deadline=None)
+@given(small_dags(max_nodes=8), st.integers(1, 3), st.integers(1, 4))
+def test_the_passes_over_every_transition_do_not_depend_on_lanes_or_blocks(graph, lanes, block):
+    """The forward and backward passes cut the family into blocks spread over lanes (NOTE [lanes] in
+    dp_kernels); on these small families one block of BLOCK sets holds everything, so small blocks here
+    take the paths that the paper's graphs take."""
+    table = prepare(graph, all_lower_set_words(graph))
+    budget = 1.2 * minimal_budget(table)
+    least = kernels._least_cache(table.sets, budget, 1, len(table))
+    assert np.array_equal(kernels._least_cache(table.sets, budget, lanes, block), least)
+    whole = kernels._backward(table.sets, budget, least, 1, len(table))
+    for ours, theirs in zip(kernels._backward(table.sets, budget, least, lanes, block), whole):
+        assert np.array_equal(ours, theirs)
 
 
 @settings(max_examples=40, deadline=None)
