@@ -60,7 +60,8 @@ class Table:
 
     words: np.ndarray
     values: np.ndarray
-    sets: tuple  # what the kernels take: (boundary, values, maximal pointers, maximal indices, holders, bounded, node_mem, node_time)
+    # What the kernels take: boundary, values, the maximal nodes' CSR pair, holders, bounded, node_mem, node_time.
+    sets: tuple
 
     def __len__(self) -> int:
         return len(self.words)
