@@ -377,8 +377,10 @@ def pareto_chains(sets, budget, objective, most, to_go, cutoff):
     sign = -1.0 if objective == 1 else 1.0
     if objective == 1:
         ahead = values[:, TIME] - values[:, TIME_BOUNDARY] + to_go
-    else:
+    elif objective == 2:
         ahead = to_go - values[:, TIME]
+    else:
+        ahead = np.full(count, np.inf)  # the stage peak has no such bound: no rows, nothing left out
     thresholds, beyond, masks = _levels(ahead, count)
     slack = 1e-9 * max(1.0, abs(cutoff))  # the bound and the values sum in another order
     capacity = 8
