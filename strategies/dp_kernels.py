@@ -310,34 +310,56 @@ def _backward(sets, budget, least, lanes, block):
 
 
 @njit(cache=True, inline="always")
-def _insert(frontier, parents, sizes, j, value, cache, parent_set, parent_slot):
-    """Add the state (value, cache) to set ``j``'s Pareto frontier (both minimised), kept sorted by cache
-    ascending, so by value strictly descending; dominated states go."""
-    size = sizes[j]
-    if size and frontier[j, 0, 1] <= cache and frontier[j, 0, 0] <= value:
-        return  # the state of least cache has the greatest value: the common rejection, first
-    pos = 0
-    while pos < size and frontier[j, pos, 1] < cache:
-        pos += 1
-    if pos > 0 and frontier[j, pos - 1, 0] <= value:
-        return
-    if pos < size and frontier[j, pos, 1] == cache and frontier[j, pos, 0] <= value:
-        return
-    end = pos
-    while end < size and frontier[j, end, 0] >= value:
-        end += 1
-    shift = 1 - (end - pos)
-    if shift > 0:
-        for e in range(size - 1, end - 1, -1):
-            frontier[j, e + 1] = frontier[j, e]
-            parents[j, e + 1] = parents[j, e]
-    elif shift < 0:
-        for e in range(end, size):
-            frontier[j, e + shift] = frontier[j, e]
-            parents[j, e + shift] = parents[j, e]
-    frontier[j, pos, 0], frontier[j, pos, 1] = value, cache
-    parents[j, pos, 0], parents[j, pos, 1] = parent_set, parent_slot
-    sizes[j] = size + shift
+def _copy(to, to_parents, a, source, source_parents, b):
+    """State ``a`` of (``to``, ``to_parents``) := state ``b`` of (``source``, ``source_parents``)."""
+    to[a, 0], to[a, 1] = source[b, 0], source[b, 1]
+    to_parents[a, 0], to_parents[a, 1] = source_parents[b, 0], source_parents[b, 1]
+
+
+@njit(cache=True, inline="always")
+def _merge(frontier, parents, sizes, j, new, new_parents, count, scratch, scratch_parents):
+    """Merge ``count`` states ``new[:count] = (value, cache)``, sorted by cache ascending, into set ``j``'s
+    Pareto frontier (both minimised), kept sorted by cache ascending, so by value strictly descending;
+    dominated states go, and of two equal states the one already there stays.
+
+    One sweep by cache: a state stays when its value is below that of every state of no more cache (at
+    equal caches the lower value, then the old state, comes first). The old states of less cache than the
+    first new one stay as they are (found by bisection), and so do those after the last new one that
+    sweep keeps, which only move: merging one state that is dominated costs O(log size)."""
+    row, row_parents, size = frontier[j], parents[j], sizes[j]
+    low, high = 0, size
+    while low < high:
+        middle = (low + high) >> 1
+        if row[middle, 1] < new[0, 1]:
+            low = middle + 1
+        else:
+            high = middle
+    start = old = low
+    least = row[start - 1, 0] if start else np.inf  # the least value swept so far
+    fresh, kept = 0, 0
+    while fresh < count:
+        if old < size and (row[old, 1] < new[fresh, 1]
+                           or (row[old, 1] == new[fresh, 1] and row[old, 0] <= new[fresh, 0])):
+            if row[old, 0] < least:
+                least = row[old, 0]
+                _copy(scratch, scratch_parents, kept, row, row_parents, old)
+                kept += 1
+            old += 1
+        else:
+            if new[fresh, 0] < least:
+                least = new[fresh, 0]
+                _copy(scratch, scratch_parents, kept, new, new_parents, fresh)
+                kept += 1
+            fresh += 1
+    while old < size and row[old, 0] >= least:
+        old += 1  # dominated; the rest have less value, and stay
+    end = start + kept  # where the rest go
+    if end != old:  # in the order that reads each state before it is overwritten
+        for e in (range(old, size) if end < old else range(size - 1, old - 1, -1)):
+            _copy(row, row_parents, e - old + end, row, row_parents, e)
+    for e in range(kept):
+        _copy(row, row_parents, start + e, scratch, scratch_parents, e)
+    sizes[j] = end + size - old
 
 
 @njit(cache=True)
@@ -382,6 +404,8 @@ def pareto_chains(sets, budget, objective, most, to_go, cutoff):
     else:
         ahead = np.full(count, np.inf)  # the stage peak has no such bound: no rows, nothing left out
     thresholds, beyond, masks = _levels(ahead, count)
+    new, new_parents = np.empty((0, 2)), np.empty((0, 2), dtype=np.int32)  # one transition's states, by cache
+    scratch, scratch_parents = np.empty((0, 2)), np.empty((0, 2), dtype=np.int32)
     slack = 1e-9 * max(1.0, abs(cutoff))  # the bound and the values sum in another order
     capacity = 8
     frontier = np.zeros((count, capacity, 2))
@@ -402,6 +426,9 @@ def pareto_chains(sets, budget, objective, most, to_go, cutoff):
             grown_parents = np.zeros((count, capacity, 2), dtype=np.int32)
             grown_parents[:, :parents.shape[1]] = parents
             parents = grown_parents
+        if len(new) < capacity:
+            new, new_parents = np.empty((capacity, 2)), np.empty((capacity, 2), dtype=np.int32)
+            scratch, scratch_parents = np.empty((capacity, 2)), np.empty((capacity, 2), dtype=np.int32)
         best = frontier[i, k - 1, 0]  # the least value at set i, at its greatest cache
         keep = keep_all
         if objective:
@@ -421,6 +448,7 @@ def pareto_chains(sets, budget, objective, most, to_go, cutoff):
                 over = min(over, best - added_time + to_go[j])
                 continue
             stage = values[j, KEY] - 2 * values[i, MEM]
+            fresh = 0
             for slot in range(k):
                 cache = frontier[i, slot, 1]
                 if cache + stage > budget or cache + added_cache > most[j]:
@@ -434,7 +462,10 @@ def pareto_chains(sets, budget, objective, most, to_go, cutoff):
                 if value + to_go[j] > cutoff:
                     over = min(over, value + to_go[j])
                     continue
-                _insert(frontier, parents, sizes, j, value, cache + added_cache, i, slot)
-                if sizes[j] > largest:
-                    largest = sizes[j]
+                new[fresh, 0], new[fresh, 1] = value, cache + added_cache
+                new_parents[fresh, 0], new_parents[fresh, 1] = i, slot
+                fresh += 1
+            if fresh:
+                _merge(frontier, parents, sizes, j, new, new_parents, fresh, scratch, scratch_parents)
+                largest = max(largest, sizes[j])
     return frontier, parents, sizes, over

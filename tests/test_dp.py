@@ -83,6 +83,36 @@ def test_the_passes_over_every_transition_do_not_depend_on_lanes_or_blocks(graph
         assert np.array_equal(ours, theirs)
 
 
+def pareto(states):
+    """The states (value, cache, tag) that no other dominates (no more of either, less of one), by cache;
+    of equal ones, the first."""
+    def beaten(k, s):
+        return any(t[:2] != s[:2] and t[0] <= s[0] and t[1] <= s[1] or t[:2] == s[:2] and m < k
+                   for m, t in enumerate(states))
+    return sorted((s for k, s in enumerate(states) if not beaten(k, s)), key=lambda s: s[1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9)), max_size=12),
+       st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9)), min_size=1, max_size=12))
+def test_merging_states_into_a_frontier_keeps_the_pareto_front(old, new):
+    old = pareto([(value, cache, ("old", k)) for k, (value, cache) in enumerate(old)])
+    new = sorted({cache: (value, cache) for value, cache in new}.values(), key=lambda s: s[1])  # one per cache
+    new = [(value, cache, ("new", k)) for k, (value, cache) in enumerate(new)]
+    room = len(old) + len(new)
+    frontier, parents = np.zeros((1, room, 2)), np.zeros((1, room, 2), dtype=np.int32)
+    for k, (value, cache, (_, tag)) in enumerate(old):
+        frontier[0, k], parents[0, k] = (value, cache), (0, tag)
+    sizes = np.array([len(old)])
+    incoming = np.array([s[:2] for s in new], dtype=np.float64)
+    incoming_parents = np.array([(1, tag) for _, _, (_, tag) in new], dtype=np.int32)
+    kernels._merge(frontier, parents, sizes, 0, incoming, incoming_parents, len(new), np.zeros((room, 2)),
+                   np.zeros((room, 2), dtype=np.int32))
+    merged = zip(frontier[0, :sizes[0]].tolist(), parents[0, :sizes[0]].tolist())
+    merged = [(value, cache, ("new" if source else "old", tag)) for (value, cache), (source, tag) in merged]
+    assert merged == pareto(old + new)
+
+
 @settings(max_examples=40, deadline=None)
 @given(small_dags())
 def test_lower_set_enumeration_is_every_closed_subset(graph):
