@@ -26,8 +26,18 @@ def bits(nodes: Iterable[int]) -> int:
     return mask
 
 
+SMALL = 24  # members of a bitset: a loop over its bits up to here, numpy beyond (on hundreds of nodes)
+
+
 def members(mask: int) -> list[int]:
     """The nodes of a bitset, ascending."""
+    if mask.bit_count() <= SMALL:
+        nodes = []
+        while mask:
+            low = mask & -mask
+            nodes.append(low.bit_length() - 1)
+            mask ^= low
+        return nodes
     raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), dtype=np.uint8)
     return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
 
@@ -44,8 +54,13 @@ def bitset(row: np.ndarray) -> int:
     return int.from_bytes(row.astype("<u8").tobytes(), "little")
 
 
-def _union(rows: np.ndarray, nodes: int) -> int:
-    """The union of the rows (bitsets as words, one per node) of ``nodes``."""
+def _union(masks: tuple[int, ...], rows: np.ndarray, nodes: int) -> int:
+    """The union of the bitsets of ``nodes``, given as ints (``masks``) and as rows of words (``rows``)."""
+    if nodes.bit_count() <= SMALL:
+        union = 0
+        for v in members(nodes):
+            union |= masks[v]
+        return union
     return bitset(np.bitwise_or.reduce(rows[members(nodes)], axis=0, initial=np.uint64(0)))
 
 
@@ -140,11 +155,20 @@ class Graph:
 
     def out_neighbours(self, nodes: int) -> int:
         """``δ⁺(S)``: the nodes some node of ``nodes`` feeds."""
-        return _union(self.succ_words, nodes)
+        return _union(self.succ_mask, self.succ_words, nodes)
 
     def in_neighbours(self, nodes: int) -> int:
         """``δ⁻(S)``: the nodes that feed some node of ``nodes``."""
-        return _union(self.pred_words, nodes)
+        return _union(self.pred_mask, self.pred_words, nodes)
+
+    def frontiers(self, stages: Iterable[int]):
+        """Per stage ``V_i`` of a chain, ``(L_i, δ⁺(L_i) \\ L_i)``, stage by stage (a stage is a few nodes,
+        where ``L_i`` can be hundreds)."""
+        lower, fed = 0, 0
+        for stage in stages:
+            lower |= stage
+            fed |= self.out_neighbours(stage)
+            yield lower, fed & ~lower
 
     def reaches(self, u: int, v: int) -> bool:
         """True when there is a path ``u -> ... -> v`` (or ``u == v``)."""

@@ -127,7 +127,7 @@ class Plan:
                 v = members(stage & seen)[0]
                 raise ValueError(f"Plan: node {v} ({graph.names[v]}) lies in more than one stage")
             seen |= stage
-            if not graph.is_lower_set(seen):
+            if graph.in_neighbours(stage) & ~seen:  # ``seen`` less this stage is a lower set; is ``seen``?
                 v = next(v for v in members(stage) if graph.pred_mask[v] & ~seen)
                 u = members(graph.pred_mask[v] & ~seen)[0]
                 raise ValueError(f"Plan: stage {i} holds node {v} ({graph.names[v]}) but its input {u} "
@@ -153,8 +153,7 @@ class Plan:
 
 def canonical_cache(graph: Graph, stages: tuple[int, ...]) -> int:
     """``U_k``: the union of the boundaries ``∂(L_i)`` of the chain (seed 004's canonical strategy)."""
-    cache, lower = 0, 0
-    for stage in stages:
-        lower |= stage
-        cache |= graph.boundary(lower)
+    cache = 0
+    for lower, later in graph.frontiers(stages):
+        cache |= lower & graph.in_neighbours(later)  # ∂(L_i)
     return cache

@@ -121,13 +121,11 @@ def peak_of(steps: list[Step]) -> int:
 
 
 def equation_2_peak(graph: Graph, plan: Plan) -> int:
-    peak, lower = 0, 0
-    for stage in plan.stages:
-        cached_before = graph.mem(plan.kept & ~plan.swapped & lower)  # term (i); swapped values are on the host
-        lower |= stage
-        later = graph.out_neighbours(lower) & ~lower  # δ⁺(L_i) \ L_i
+    peak, cached_before = 0, 0  # term (i): the kept values of the stages before; swapped ones are on the host
+    for stage, (lower, later) in zip(plan.stages, graph.frontiers(plan.stages)):  # later: δ⁺(L_i) \ L_i
         others = graph.in_neighbours(later) & ~lower  # δ⁻(δ⁺(L_i) \ L_i) \ L_i
         peak = max(peak, cached_before + 2 * graph.mem(stage) + graph.mem(later) + graph.mem(others))
+        cached_before += graph.mem(plan.kept & ~plan.swapped & stage)
     return peak
 
 

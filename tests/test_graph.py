@@ -1,6 +1,8 @@
 """The IR on hand-made graphs."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from strategies import Graph, bits, members
 
@@ -28,6 +30,27 @@ def test_lower_sets_and_boundary():
     assert g.boundary(g.all_nodes) == 0
     assert members(g.out_neighbours(bits([0]))) == [1, 2]
     assert members(g.in_neighbours(bits([3]))) == [1, 2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 150), st.data())
+def test_set_helpers_agree_with_their_definitions_on_small_and_large_sets(n, data):
+    # Sets of up to a few dozen nodes take a loop over their bits, larger ones numpy: both must agree.
+    edges = data.draw(st.sets(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1))
+                              .filter(lambda e: e[0] < e[1]), max_size=3 * n))
+    g = Graph(mem_bytes=[1] * n, cost=[1] * n, edges=edges)
+    mask = data.draw(st.one_of(st.integers(0, (1 << n) - 1), st.sets(st.integers(0, n - 1)).map(bits)))
+    nodes = [v for v in range(n) if mask >> v & 1]
+    assert members(mask) == nodes
+    assert g.out_neighbours(mask) == bits(v for u, v in g.edges if u in nodes)
+    assert g.in_neighbours(mask) == bits(u for u, v in g.edges if v in nodes)
+    lower = g.ancestor_mask[nodes[-1]] if nodes else 0
+    assert g.boundary(lower) == bits(u for u, v in g.edges if lower >> u & 1 and not lower >> v & 1)
+    # Prefixes of the node order are lower sets: a chain of them, and its stages.
+    chain = [(1 << k) - 1 for k in sorted(data.draw(st.sets(st.integers(1, n - 1))) | {n})]
+    stages = [s & ~t for s, t in zip(chain, [0] + chain[:-1])]
+    assert list(g.frontiers(stages)) == [(s, bits(v for u, v in g.edges if s >> u & 1 and not s >> v & 1))
+                                         for s in chain]
 
 
 def test_default_backward_reads_are_the_inputs():
