@@ -324,17 +324,10 @@ def _merge(frontier, parents, sizes, j, new, new_parents, count, scratch, scratc
 
     One sweep by cache: a state stays when its value is below that of every state of no more cache (at
     equal caches the lower value, then the old state, comes first). The old states of less cache than the
-    first new one stay as they are (found by bisection), and so do those after the last new one that
-    sweep keeps, which only move: merging one state that is dominated costs O(log size)."""
+    first new one stay where they are (found by bisection); those past the sweep that it leaves undominated
+    stay too, moved once. Merging one state that is dominated costs O(log size)."""
     row, row_parents, size = frontier[j], parents[j], sizes[j]
-    low, high = 0, size
-    while low < high:
-        middle = (low + high) >> 1
-        if row[middle, 1] < new[0, 1]:
-            low = middle + 1
-        else:
-            high = middle
-    start = old = low
+    start = old = np.searchsorted(row[:size, 1], new[0, 1])
     least = row[start - 1, 0] if start else np.inf  # the least value swept so far
     fresh, kept = 0, 0
     while fresh < count:
