@@ -59,12 +59,16 @@ class Table:
     """A family of lower sets sorted by (memory, size), with what the transitions need (``dp_kernels``)."""
 
     words: np.ndarray
-    values: np.ndarray
     # What the kernels take: boundary, values, the maximal nodes' CSR pair, holders, bounded, node_mem, node_time.
     sets: tuple
 
     def __len__(self) -> int:
         return len(self.words)
+
+    @property
+    def values(self) -> np.ndarray:
+        """Per set, the columns ``dp_kernels.MEM``, ``KEY``, ... (the kernels' ``values``)."""
+        return self.sets[1]
 
 
 def prepare(graph: Graph, words: np.ndarray) -> Table:
@@ -79,7 +83,7 @@ def prepare(graph: Graph, words: np.ndarray) -> Table:
     assert not words[0].any() and bitset(words[-1]) == graph.all_nodes, "bug: a family runs from ∅ to V"
     sets = (boundary, values, *kernels.rows(maximal, n), kernels.transpose(words, n),
             kernels.transpose(boundary, n), node_mem, node_time)
-    return Table(words=words, values=values, sets=sets)
+    return Table(words=words, sets=sets)
 
 
 def minimal_budget(table: Table, upper: float | None = None) -> float:
