@@ -14,9 +14,27 @@ unpacked. Gradients flow through the graph built in the forward pass, so the los
 are those of plain PyTorch, and they land in ``.grad`` as with ``loss.backward()``.
 What a recomputed layer saves besides node values (max-pooling indices, batch-norm statistics) is dropped
 in the forward pass too: the recomputation runs that layer with autograd on and collects it again, in the
-order it was saved. Two side effects are replayed, not repeated: BatchNorm layers recompute with batch
-statistics and their running statistics are put back, and layers that draw random numbers (dropout) run
-with the RNG state they had in the forward pass, so they draw the same masks.
+order it was saved.
+
+NOTE [replaying side effects]
+A recomputed layer must compute what it computed in the forward pass, and do nothing else, whatever the
+layer is. Both are done by mechanism, with no list of layer types:
+- Randomness. Before each fx node of a recomputed value runs in the forward pass, the RNG state of the CPU
+  and of every CUDA device the step uses is taken; if the node moved it (it drew numbers: a dropout
+  module, ``F.dropout``, MHA's or SDPA's ``dropout_p``, stochastic depth's ``bernoulli_``, a user's
+  ``torch.rand``), the state is kept, and the recomputation sets it again before that node, as
+  ``torch.utils.checkpoint``'s ``preserve_rng_state`` does per region. The program's own RNG stream goes
+  on afterwards as if nothing had been recomputed.
+- State. A recomputed fx node runs with the buffers it can reach (its module's, for a module call; the
+  buffers among its inputs, for a function or method) copied first and put back after: BatchNorm's
+  running statistics and batch count, through a module or ``F.batch_norm``, or any module that counts or
+  averages, are updated once per step. (Neither version counters nor op schemas tell: ``native_batch_norm``
+  writes its running statistics without declaring it.)
+- In-place ops. A recomputation under ``no_grad`` runs any in-place op as it is. A layer rerun with
+  autograd on, to collect what it saves besides node values, gets inputs that are fresh non-leaf aliases
+  of the recomputed values (``_Fresh``), one per fx input, so ``inplace=True`` modules, ``F.*(...,
+  inplace=True)``, ``x.add_()`` and writes to views work on them, and ops that test ``q is k`` (MHA's
+  self-attention path) see the same aliasing as in the forward pass.
 
 NOTE [swapping]
 A saved tensor whose storage belongs to a swapped node (``plan.swapped``) is copied to host memory when
@@ -39,15 +57,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
 from harness.measure import on_host
 from harness.trace import Traced
 from strategies import Plan, members
 
-_RANDOM_FUNCTIONS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, torch.bernoulli,
-                     torch.rand_like, torch.randn_like}
 
 
 def default_loss(output) -> torch.Tensor:
@@ -116,7 +131,7 @@ class _Step:
     cache: dict[str, object] = field(default_factory=dict)  # fx node of a kept group -> value, for recomputation
     cache_stages: dict[int, set[int]] = field(default_factory=dict)  # kept group -> stages still to read it
     recomputed: dict[int, torch.Tensor] = field(default_factory=dict)
-    rng_states: dict[str, object] = field(default_factory=dict)  # random fx node -> RNG state before it
+    rng_states: dict[str, object] = field(default_factory=dict)  # fx node that drew numbers -> RNG state before it
     constants: dict[str, object] = field(default_factory=dict)  # inputs and non-tensor values
     extra_nodes: set[str] = field(default_factory=set)  # recomputed fx nodes that saved extras
     extras: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # recomputed extras, until unpacked
@@ -128,6 +143,8 @@ class _Step:
     def __post_init__(self):
         graph = self.traced.graph
         self.discarded = set(members(self.plan.recomputed))
+        self.recomputable = {name for g in self.discarded for name in self.traced.members[g]}
+        self.buffer_ids = {id(b) for b in self.traced.module.buffers()}
         self.stage_of = self.plan.stage_of(len(graph))
         self.nodes = {n.name: n for n in self.traced.module.graph.nodes}
         self.modules = dict(self.traced.module.named_modules())
@@ -152,11 +169,12 @@ class _Step:
         args = iter(inputs)
         module = self.traced.module
         self.static = {id(t.untyped_storage()) for t in list(module.parameters()) + list(module.buffers()) + list(inputs)}
+        self.devices = {t.device for t in [*module.parameters(), *module.buffers(), *inputs]}
         for node in self._stage_order():
             if node.op == "output":
                 return self._load(node.args[0])
-            if node.op == "placeholder":
-                self.constants[node.name] = next(args)
+            if node.op == "placeholder":  # an argument not given takes its default, as in fx.Interpreter
+                self.constants[node.name] = next(args, node.args[0] if node.args else None)
                 continue
             self.pending.clear()  # saved by an earlier node and left as it is
             value = self._run(node, self._load(node.args), self._load(node.kwargs), recompute=False)
@@ -167,14 +185,18 @@ class _Step:
         """The fx nodes stage by stage (V_1 first), in program order within a stage: a topological order in
         which autograd's backward, which runs in reverse creation order, visits the stages one at a time
         from the last, as the canonical strategy does. A node never comes before its inputs; nodes outside
-        the IR go with their latest input."""
+        the IR go with their latest input; a node that draws random numbers never before an earlier one
+        that draws (it goes with the later stage), so every draw sees plain PyTorch's generator state."""
         stage_key, position = {}, {}
+        last_draw = -1
         for index, node in enumerate(self.traced.module.graph.nodes):
             position[node] = index
             g = self.traced.group_of.get(node.name)
             own = len(self.plan.stages) if node.op == "output" else self.stage_of[g] if g is not None else -1
             # A view can read a shape computed in a later stage (U-Net's crops): then it waits for it.
             stage_key[node] = max([own] + [stage_key[n] for n in node.all_input_nodes])
+            if node.name in self.traced.random_nodes:  # draws stay in program order: the same numbers
+                stage_key[node] = last_draw = max(stage_key[node], last_draw)
         return sorted(position, key=lambda node: (stage_key[node], position[node]))
 
     def _store(self, node: fx.Node, value):
@@ -310,7 +332,7 @@ class _Step:
         uses = _last_uses(self.traced.module.graph, within=names)
         finals = {self.traced.members[g][-1] for g in groups}  # values the tokens will read
         env = {}
-        with torch.no_grad(), _preserved_rng(self.constants):
+        with torch.no_grad(), _preserved_rng(self.devices):
             for node in order:
                 load = lambda a: self._load(a, env)  # noqa: E731
                 if node.name in self.extra_nodes:
@@ -331,26 +353,32 @@ class _Step:
 
     def _rerun_saving(self, node: fx.Node, env: dict):
         """Recompute ``node`` with autograd on, to collect again what its layer saves beside node values;
-        the same call on inputs that require grad as they did saves the same tensors in the same order.
-        The result is detached."""
+        the same call on inputs that require grad as they did saves the same tensors in the same order
+        (NOTE [replaying side effects]). The result is detached."""
         captured = []
 
         def keep(t):
-            captured.append(t)
-            return t
+            # Detached, and nothing left in the rerun's graph: a saved output holding its own grad_fn would
+            # be a cycle through C++ that keeps the whole rerun alive (the one ``execute`` breaks on failure).
+            captured.append(t.detach())
+
+        fresh = {}  # one alias per fx input: ``q is k`` holds again where it held in the forward pass
 
         def load(a: fx.Node):
             value = self._load(a, env)
             if isinstance(value, torch.Tensor) and self.needs_grad.get(a.name) and a.op != "get_attr":
-                return value.detach().requires_grad_()
+                if a.name not in fresh:
+                    fresh[a.name] = _Fresh.apply(value.detach().requires_grad_())
+                return fresh[a.name]
             return value
 
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), load)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            value = self._run(node, args, kwargs, recompute=True)
+        with torch.enable_grad():
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), load)
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                value = self._run(node, args, kwargs, recompute=True)
         for rank, t in enumerate(captured):
             if (node.name, rank) in self.extra_keys:
-                self.extras[(node.name, rank)] = t.detach()
+                self.extras[(node.name, rank)] = t
         return fx.node.map_aggregate(value, lambda v: v.detach() if isinstance(v, torch.Tensor) else v)
 
     def _release_cache(self, g: int):
@@ -372,34 +400,52 @@ class _Step:
         return fx.node.map_arg(args, value)
 
     def _run(self, node: fx.Node, args, kwargs, recompute: bool):
-        random = self._is_random(node)
-        if random and not recompute:
-            self.rng_states[node.name] = _rng_state(self.constants)
-        if random and recompute:
-            _set_rng_state(self.constants, self.rng_states[node.name])
+        """Run one fx node; a node of a recomputed value replays its randomness and state writes (NOTE
+        [replaying side effects])."""
+        if not recompute and node.name in self.recomputable:
+            before = _rng_state(self.devices)
+            value = self._call(node, args, kwargs)
+            if not _same_rng_state(before, _rng_state(self.devices)):
+                self.rng_states[node.name] = before
+            return value
+        if not recompute:
+            return self._call(node, args, kwargs)
+        if node.name in self.rng_states:
+            _set_rng_state(self.rng_states[node.name])
+        written = self._buffers_of(node, args, kwargs)
+        before = [t.detach().clone() for t in written]
+        value = self._call(node, args, kwargs)
+        with torch.no_grad():
+            for t, old in zip(written, before):
+                t.copy_(old)
+        return value
+
+    def _buffers_of(self, node: fx.Node, args, kwargs) -> list[torch.Tensor]:
+        if node.op == "call_module":
+            return list(self.modules[node.target].buffers())
+        return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and id(t) in self.buffer_ids]
+
+    def _call(self, node: fx.Node, args, kwargs):
         if node.op == "get_attr":
             return _fetch_attr(self.traced.module, node.target)
         if node.op == "call_function":
             return node.target(*args, **kwargs)
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
-        module = self.modules[node.target]
-        if recompute and isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training:
-            # The same call as in the forward pass (batch statistics, the same saved tensors), but the
-            # running statistics are put back: they are updated once per step.
-            before = [b.clone() for b in module.buffers()]
-            value = module(*args, **kwargs)
-            with torch.no_grad():
-                for buffer, old in zip(module.buffers(), before):
-                    buffer.copy_(old)
-            return value
-        return module(*args, **kwargs)
+        return self.modules[node.target](*args, **kwargs)
 
-    def _is_random(self, node: fx.Node) -> bool:
-        if node.op == "call_module":
-            module = self.modules[node.target]
-            return isinstance(module, (torch.nn.modules.dropout._DropoutNd, torch.nn.AlphaDropout)) and module.training
-        return node.op == "call_function" and node.target in _RANDOM_FUNCTIONS
+
+class _Fresh(torch.autograd.Function):
+    """The identity, as a non-leaf that shares its input's storage and is no view: in-place ops may write
+    to it (NOTE [replaying side effects])."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 class _SwapStreams:
@@ -476,28 +522,27 @@ def _fetch_attr(module: torch.nn.Module, target: str):
     return value
 
 
-def _devices(constants: dict) -> set[torch.device]:
-    return {t.device for t in tree_leaves(list(constants.values())) if isinstance(t, torch.Tensor)}
+def _rng_state(devices) -> tuple:
+    cuda = sorted({d for d in devices if d.type == "cuda"}, key=lambda d: d.index or 0)
+    return torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in cuda]
 
 
-def _rng_state(constants: dict):
-    devices = _devices(constants)
-    cuda = [d for d in devices if d.type == "cuda"]
-    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda], cuda
+def _same_rng_state(a: tuple, b: tuple) -> bool:
+    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for (_, x), (_, y) in zip(a[1], b[1]))
 
 
-def _set_rng_state(constants: dict, state):
-    cpu, cuda_states, cuda_devices = state
+def _set_rng_state(state: tuple):
+    cpu, cuda = state
     torch.set_rng_state(cpu)
-    for s, d in zip(cuda_states, cuda_devices):
-        torch.cuda.set_rng_state(s, d)
+    for device, s in cuda:
+        torch.cuda.set_rng_state(s, device)
 
 
 @contextlib.contextmanager
-def _preserved_rng(constants: dict):
+def _preserved_rng(devices):
     """Recomputation replays RNG states; the program's own RNG stream continues as if it had not."""
-    state = _rng_state(constants)
+    state = _rng_state(devices)
     try:
         yield
     finally:
-        _set_rng_state(constants, state)
+        _set_rng_state(state)

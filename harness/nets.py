@@ -1,8 +1,9 @@
-"""The model zoo: the seven networks of seed 004's Table 1, at its input and batch sizes.
+"""The model zoo, and any other model by name: ``build(name, batch_size=None, image_size=None, device="meta",
+**options) -> (model, example_input, loss_fn)``.
 
-``build(name, batch_size=None, image_size=None, device="meta") -> (model, example_input, loss_fn)``.
-Models are built in training mode; on ``meta`` nothing is allocated. Choices where the paper's Chainer
-models cannot be had exactly:
+Zoo nets are the seven networks of seed 004's Table 1 at its input and batch sizes (``PAPER_NETS``), and
+two transformers. Models are built in training mode; on ``meta`` nothing is allocated. Choices where the
+paper's Chainer models cannot be had exactly:
 - ``pspnet``: segmentation-models-pytorch's PSPNet on a dilated ResNet-101 (all five encoder stages,
   output stride 8, the ChainerCV layout), 19 classes (Cityscapes, the dataset of the 713x713 crop).
   smp needs sides divisible by the output stride 8, so the input is 712x712, the nearest to 713.
@@ -10,26 +11,38 @@ models cannot be had exactly:
   572x572 input, 2 classes, written here: it is the network the paper ran, 388x388 output.
 - ``resnet50``, ``resnet152``, ``vgg19``, ``densenet161``, ``googlenet``: torchvision at 224x224, 1000
   classes; GoogLeNet without its auxiliary classifiers (torchvision's has batch norm after every conv).
+- ``vit_b_16``: torchvision's ViT-B/16 at 224x224, batch 64, dropout 0.1 in the MLPs and attention.
+- ``gpt2``: GPT-2 small (``GPT2`` below), sequence 1024, batch 8, next-token cross-entropy. For token
+  inputs ``image_size`` is the sequence length.
+
+Other models are named ``SOURCE:NAME`` (``harness.models``: ``torchvision:convnext_tiny``,
+``timm:vit_small_patch16_224``, ``module:my_pkg.models:build``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 
 @dataclass(frozen=True)
 class NetSpec:
-    build_model: Callable[[], nn.Module]
-    batch_size: int  # seed 004, Table 1
-    image_size: int
-    paper_nodes: int  # #V of seed 004, Table 1
-    paper_vanilla_gb: float  # vanilla peak of seed 004, Table 1 (Chainer, K40c, parameters included)
-    loss: str = "classification"
+    build_model: Callable[..., nn.Module]  # keyword options: the builder's own (``build(**options)``)
+    batch_size: int  # seed 004, Table 1, for its nets
+    image_size: int  # the input's side; for token inputs, the sequence length
+    paper_nodes: int | None = None  # #V of seed 004, Table 1
+    paper_vanilla_gb: float | None = None  # vanilla peak of seed 004, Table 1 (Chainer, K40c, parameters included)
+    loss: str = "classification"  # a key of LOSSES
+    input: str = "image"  # "image": (batch, channels, side, side) floats; "tokens": (batch, side) ids
+    channels: int = 3
+    vocab_size: int = 0  # token inputs draw ids below it
     valid_side: Callable[[int], bool] = lambda side: side >= 32
     side_rule: str = "at least 32"
     # The natural blocks a careful PyTorch user wraps in torch.utils.checkpoint, as module paths
@@ -121,6 +134,93 @@ def _center_crop(skip: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return skip[:, :, top:top + like.shape[-2], left:left + like.shape[-1]]
 
 
+class GPT2(nn.Module):
+    """GPT-2 small (Radford et al. 2019): learned token and position embeddings, pre-norm blocks of causal
+    self-attention (``F.scaled_dot_product_attention``) and a GELU MLP, a final LayerNorm and an output
+    layer tied to the token embedding; dropout 0.1 on the embeddings, the attention and each residual."""
+
+    def __init__(self, vocab_size: int = 50257, context: int = 1024, width: int = 768, depth: int = 12,
+                 heads: int = 12, dropout: float = 0.1):
+        super().__init__()
+        self.embed = GPT2Embedding(vocab_size, context, width, dropout)
+        self.blocks = nn.ModuleList(GPT2Block(width, heads, dropout) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab_size, bias=False)
+        self.lm_head.weight = self.embed.wte.weight  # tied embeddings
+        for name, p in self.named_parameters():  # GPT-2's initialisation, residual projections scaled down
+            if p.dim() == 2:
+                residual = name.endswith(("c_proj.weight", "mlp.2.weight"))
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * depth) if residual else 0.02)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class GPT2Embedding(nn.Module):
+    def __init__(self, vocab_size: int, context: int, width: int, dropout: float):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab_size, width), nn.Embedding(context, width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, tokens):
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.drop(self.wte(tokens) + self.wpe(positions))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, width: int, heads: int, dropout: float):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(width), CausalSelfAttention(width, heads, dropout)
+        self.ln_2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(approximate="tanh"), nn.Linear(4 * width, width),
+                                 nn.Dropout(dropout))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.c_attn, self.c_proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        qkv = self.c_attn(x).view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=True)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(batch, length, width)))
+
+
+def _vit_b_16() -> nn.Module:
+    import torchvision
+
+    return torchvision.models.vit_b_16(weights=None, dropout=0.1, attention_dropout=0.1)
+
+
+def _vit_tokens(model: nn.Module, x):
+    """torchvision ViT's forward after ``conv_proj``: patches as a sequence, the class token in front."""
+    x = x.flatten(2).permute(0, 2, 1)
+    return torch.cat([model.class_token.expand(x.shape[0], -1, -1), x], dim=1)
+
+
+def _vit_position(model: nn.Module, x):
+    return x + model.encoder.pos_embedding
+
+
+# Steps of a sequence that need the model (``sequence``): name -> model -> function of the running value.
+MODEL_STEPS = {
+    "vit.tokens": lambda model: partial(_vit_tokens, model),
+    "vit.position": lambda model: partial(_vit_position, model),
+}
+
+
 def _instances(*class_names: str) -> Callable[[nn.Module], list[str]]:
     return lambda model: [path for path, m in model.named_modules() if type(m).__name__ in class_names]
 
@@ -155,6 +255,7 @@ FUNCTIONAL = {
     "F.flatten": lambda x: torch.flatten(x, 1),
     "F.relu": F.relu,
     "F.global_avg_pool": lambda x: F.adaptive_avg_pool2d(x, (1, 1)),
+    "F.class_token": lambda x: x[:, 0],
 }
 
 NETS = {
@@ -184,57 +285,113 @@ NETS = {
     "googlenet": NetSpec(_torchvision("googlenet", aux_logits=False, init_weights=False), batch_size=256,
                          image_size=224, paper_nodes=134, paper_vanilla_gb=8.5, blocks=_instances("Inception"),
                          sequence=_children(before={"dropout": "F.flatten"})),
+    "vit_b_16": NetSpec(_vit_b_16, batch_size=64, image_size=224, valid_side=lambda side: side == 224,
+                        side_rule="224 (torchvision fixes ViT-B/16's side; +net=torchvision net.name=vit_b_16 "
+                                  "net.options.kwargs.image_size=N for another)",
+                        blocks=_instances("EncoderBlock"),
+                        sequence=lambda model: ["conv_proj", "vit.tokens", "vit.position", "encoder.dropout"]
+                        + [f"encoder.layers.{name}" for name, _ in model.encoder.layers.named_children()]
+                        + ["encoder.ln", "F.class_token", "heads"]),
+    "gpt2": NetSpec(GPT2, batch_size=8, image_size=1024, loss="next_token", input="tokens", vocab_size=50257,
+                    valid_side=lambda side: 2 <= side <= 1024, side_rule="between 2 and GPT-2's context of 1024",
+                    blocks=_instances("GPT2Block"),
+                    sequence=lambda model: ["embed", *(f"blocks.{i}" for i in range(len(model.blocks))), "ln_f",
+                                            "lm_head"]),
 }
 
 
+PAPER_NETS = ("pspnet", "unet", "resnet50", "resnet152", "vgg19", "densenet161", "googlenet")  # seed 004's
+
+
 def available() -> list[str]:
+    """The zoo's nets (any other model goes by ``SOURCE:NAME``, ``harness.models``)."""
     return sorted(NETS)
 
 
-def spec(name: str) -> NetSpec:
+def spec(name: str, **options) -> NetSpec:
+    """The zoo's net ``name``, or a model from another source named ``SOURCE:NAME`` (``harness.models``);
+    ``options`` are a source model's (its builder's keyword arguments, input and loss)."""
+    if ":" in name:
+        from harness import models
+
+        return models.spec(name, **options)
     if name not in NETS:
-        raise KeyError(f"unknown net {name!r}; valid nets: {', '.join(available())}")
+        raise KeyError(f"unknown net {name!r}; valid nets: {', '.join(available())}, or SOURCE:NAME for "
+                       f"another model (sources: torchvision, timm, module; see harness/models.py)")
+    if options:
+        raise ValueError(f"zoo net {name!r} takes no options, got {sorted(options)}")
     return NETS[name]
 
 
-def build(name: str, batch_size: int | None = None, image_size: int | None = None, device: str = "meta"):
-    """``(model, example_input, loss_fn)`` for net ``name``; sizes default to seed 004's."""
-    net = spec(name)
+def build(name: str, batch_size: int | None = None, image_size: int | None = None, device: str = "meta",
+          **options):
+    """``(model, example_input, loss_fn)`` for net ``name``; sizes default to the net's (seed 004's for its
+    nets). A token input's loss is next-token cross-entropy against the input itself."""
+    net = spec(name, **options)
     batch_size = net.batch_size if batch_size is None else batch_size
     image_size = net.image_size if image_size is None else image_size
-    check_sizes(name, batch_size, image_size)
+    check_sizes(name, batch_size, image_size, **options)
     with torch.device(device):
         model = net.build_model()
     model.train()
-    example_input = torch.randn(batch_size, 3, image_size, image_size, device=device)
-    return model, example_input, LOSSES[net.loss]
+    if net.input == "tokens":
+        generator = torch.Generator().manual_seed(0)
+        example_input = torch.randint(0, net.vocab_size, (batch_size, image_size), generator=generator).to(device)
+    else:
+        example_input = torch.randn(batch_size, net.channels, image_size, image_size, device=device)
+    loss_fn = LOSSES[net.loss]
+    return model, example_input, partial(loss_fn, tokens=example_input) if net.loss == "next_token" else loss_fn
 
 
-def structure(name: str, model: nn.Module) -> dict[str, list[str]]:
+def structure(name: str, model: nn.Module, **options) -> dict[str, list[str]]:
     """What the zoo knows of net ``name``'s layout beyond its graph: its ``blocks`` and its ``sequence``."""
-    net = spec(name)
+    net = spec(name, **options)
     return {"blocks": net.blocks(model), "sequence": net.sequence(model)}
 
 
-def check_sizes(name: str, batch_size: int, image_size: int) -> None:
+def check_sizes(name: str, batch_size: int, image_size: int, **options) -> None:
     """Raise ``ValueError`` saying what is valid when net ``name`` cannot take these sizes."""
-    net = spec(name)
+    net = spec(name, **options)
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if not net.valid_side(image_size):
-        raise ValueError(f"{name} needs an image side that is {net.side_rule}; got {image_size}")
+        what = "a sequence length" if net.input == "tokens" else "an image side"
+        raise ValueError(f"{name} needs {what} that is {net.side_rule}; got {image_size}")
 
 
-def classification_loss(output: torch.Tensor) -> torch.Tensor:
+def _main_output(output):
+    """A model's prediction: the tensor itself, the ``out`` entry of a dict (torchvision segmentation), or
+    the first of a tuple (auxiliary classifiers' outputs: GoogLeNet, Inception v3)."""
+    if isinstance(output, dict):
+        return output["out"]
+    return output[0] if isinstance(output, tuple) else output
+
+
+def classification_loss(output) -> torch.Tensor:
     """Cross-entropy against fixed labels (class ``i % classes`` for sample ``i``)."""
+    output = _main_output(output)
     labels = torch.arange(output.shape[0], device=output.device) % output.shape[1]
     return F.cross_entropy(output, labels)
 
 
-def segmentation_loss(output: torch.Tensor) -> torch.Tensor:
+def segmentation_loss(output) -> torch.Tensor:
     """Per-pixel cross-entropy against a fixed label map (class 0 everywhere)."""
+    output = _main_output(output)
     labels = torch.zeros(output.shape[0], *output.shape[2:], dtype=torch.long, device=output.device)
     return F.cross_entropy(output, labels)
 
 
-LOSSES = {"classification": classification_loss, "segmentation": segmentation_loss}
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Language modelling: position ``t`` predicts token ``t + 1`` of the input (the last predicts nothing)."""
+    labels = tokens.roll(-1, dims=1)
+    labels[:, -1] = -100  # F.cross_entropy's ignore_index
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def sum_loss(output) -> torch.Tensor:
+    """The sum of every tensor the model returns (for a model with no natural target)."""
+    return sum(t.sum() for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+
+
+LOSSES = {"classification": classification_loss, "segmentation": segmentation_loss, "next_token": next_token_loss,
+          "sum": sum_loss}

@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import strategies
 from harness.measure import MemoryTracker
-from harness.nets import FUNCTIONAL
+from harness.nets import FUNCTIONAL, MODEL_STEPS
 from strategies.torch_checkpoint_sequential import segment_starts
 
 
@@ -128,7 +128,8 @@ def _run_with_slices(children: list[nn.Module], ranges: list[tuple[int, int]], x
 def sequential_functions(model: nn.Module, sequence: list[str], segments: int) -> list:
     """The net as ``checkpoint_sequential``'s list of functions. An in-place ReLU that starts a segment
     becomes out-of-place: it would overwrite the segment's input, which ``checkpoint`` keeps to recompute."""
-    functions = [FUNCTIONAL[path] if path in FUNCTIONAL else model.get_submodule(path) for path in sequence]
+    functions = [FUNCTIONAL[path] if path in FUNCTIONAL else MODEL_STEPS[path](model) if path in MODEL_STEPS
+                 else model.get_submodule(path) for path in sequence]
     for start in segment_starts(len(functions), segments):
         if isinstance(functions[start], nn.ReLU) and functions[start].inplace:
             functions[start] = nn.ReLU()
@@ -181,7 +182,7 @@ def _replayed_step(model, example_input, loss_fn, budget):
 
     start = time.perf_counter()
     with budget:
-        compiled = aot_module(model, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+        compiled = aot_module(_untied(model), fw_compiler=keep("forward"), bw_compiler=keep("backward"),
                               partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
         loss_fn(compiled(example_input)).backward()
     compile_time_s = time.perf_counter() - start
@@ -215,6 +216,31 @@ def _replayed_step(model, example_input, loss_fn, budget):
 
     run.compile_time_s = compile_time_s
     return run
+
+
+class _Untied(nn.Module):
+    """``model`` with each parameter and buffer registered once: ``aot_module`` lists tied weights (GPT-2's
+    embedding and output layer) under every name and then refuses them as two values for one tensor."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "model", model)  # not a submodule: its names would come back
+        unique_params = list(dict.fromkeys(model.parameters()))
+        self.params = nn.ParameterList(unique_params)
+        self.tensors = [(name, i) for name, p in model.named_parameters(remove_duplicate=False)
+                        for i, q in enumerate(unique_params) if q is p]
+        for i, (name, b) in enumerate(model.named_buffers()):
+            self.register_buffer(f"buffer{i}", b)
+            self.tensors.append((name, f"buffer{i}"))
+
+    def forward(self, *args):
+        tensors = {name: self.params[i] if isinstance(i, int) else getattr(self, i) for name, i in self.tensors}
+        return torch.func.functional_call(self.model, tensors, args)
+
+
+def _untied(model: nn.Module) -> nn.Module:
+    tied = len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters()))
+    return _Untied(model) if tied else model
 
 
 def check_measurable(plan, device: str) -> None:

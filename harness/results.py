@@ -18,8 +18,19 @@ def cell_name(row: dict) -> str:
     model, device)."""
     budget = "budgetauto" if row["budget_bytes"] is None else f"{row['budget_bytes']}B"
     options = "".join(f"__{key}-{value}" for key, value in sorted(row.get("options", {}).items()))
-    return (f"{row['net']}__{row['strategy']}{options}__b{row['batch_size']}__s{row['image_size']}__{budget}"
+    net = row["net"] + "".join(f"__{key}-{value}" for key, value in _flat(row.get("net_options") or {}))
+    net = net.replace("/", "_").replace(" ", "")  # a net's options name a file, not a folder
+    return (f"{net}__{row['strategy']}{options}__b{row['batch_size']}__s{row['image_size']}__{budget}"
             f"__{row['cost_model']}__{row['device']}.json")
+
+
+def _flat(options: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """Nested options as sorted ``(a.b, value)`` pairs: ``{"kwargs": {"image_size": 32}}`` names
+    ``kwargs.image_size-32`` in a file name."""
+    pairs = []
+    for key, value in sorted(options.items()):
+        pairs += _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
+    return pairs
 
 
 def mode_of(options: dict) -> str:

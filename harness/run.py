@@ -34,13 +34,15 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_size: int | None = None,
              device: str = "meta", budget=None, cost_model: str = "paper", options: dict | None = None,
              warmup_steps: int = 2, timed_steps: int = 5, results_dir: str | Path | None = None,
-             resume: bool = False, isolate: bool | None = None) -> dict:
-    """Measure ``strategy`` on ``net`` and return the result row (also written under ``results_dir``).
+             resume: bool = False, isolate: bool | None = None, net_options: dict | None = None) -> dict:
+    """Measure ``strategy`` on ``net`` (a zoo net or ``SOURCE:NAME`` with ``net_options``, ``harness.models``)
+    and return the result row (also written under ``results_dir``).
 
     ``isolate`` (default: on ``cuda``) measures in a fresh process: PyTorch does not free what a backward
     that ran out of CUDA memory held (pytorch/pytorch#82218), so one ``oom`` cell would leave every later
     cell of a sweep on a nearly full device."""
-    spec = nets.spec(net)  # bad input fails here, before anything is built
+    net_options = dict(net_options or {})
+    spec = nets.spec(net, **net_options)  # bad input fails here, before anything is built
     strategies.module(strategy)
     check_device(device)
     if cost_model not in COST_MODELS:
@@ -50,10 +52,11 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
         "batch_size": spec.batch_size if batch_size is None else batch_size,
         "image_size": spec.image_size if image_size is None else image_size,
         "device": device, "cost_model": cost_model, "budget_bytes": parse_budget(budget, device),
-        "options": dict(options or {}), "warmup_steps": warmup_steps, "timed_steps": timed_steps,
+        "options": dict(options or {}), "net_options": net_options, "warmup_steps": warmup_steps,
+        "timed_steps": timed_steps,
         "paper_node_count": spec.paper_nodes, **_environment(),
     }
-    nets.check_sizes(net, row["batch_size"], row["image_size"])
+    nets.check_sizes(net, row["batch_size"], row["image_size"], **net_options)
     if resume and results_dir is not None and (Path(results_dir) / cell_name(row)).exists():
         done = read_row(Path(results_dir) / cell_name(row))
         final = done.get("status") in ("ok", "oom", "infeasible", "timeout")
@@ -66,7 +69,7 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
             return child.submit(run_cell, net, strategy, batch_size=batch_size, image_size=image_size,
                                 device=device, budget=budget, cost_model=cost_model, options=options,
                                 warmup_steps=warmup_steps, timed_steps=timed_steps, results_dir=results_dir,
-                                isolate=False).result()
+                                isolate=False, net_options=net_options).result()
     start = time.perf_counter()
     try:
         row.update(_measure_cell(row))
@@ -90,13 +93,14 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
 
 
 def _measure_cell(row: dict) -> dict:
-    model, example_input, loss_fn = nets.build(row["net"], row["batch_size"], row["image_size"], row["device"])
+    model, example_input, loss_fn = nets.build(row["net"], row["batch_size"], row["image_size"], row["device"],
+                                               **row["net_options"])
     traced = trace(model, example_input, row["cost_model"])
     graph = traced.graph
     static_bytes = fixed_bytes(model, example_input)
     # A strategy that follows the net's own layout (a PyTorch peer) gets the zoo's blocks or sequence; they
     # stay out of the row's options, which name the result file (options given in the row win in _solve).
-    structure = nets.structure(row["net"], model)
+    structure = nets.structure(row["net"], model, **row["net_options"])
     plan = _solve(row, graph, static_bytes, peers.zoo_options(row["strategy"], structure))
     predicted = strategies.simulate(graph, plan, liveness=True)
     predicted_no_liveness = strategies.simulate(graph, plan, liveness=False)

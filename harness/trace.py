@@ -13,7 +13,16 @@ of inputs or parameters stay out of the IR: they cost nothing to keep.
 
 While the meta run goes, ``saved_tensors_hooks`` record what autograd saves for each layer: saved
 storages that belong to an IR node become ``backward_reads``; any other saved storage (max-pooling
-indices, batch-norm statistics) counts as ``saved_extra_bytes``.
+indices, batch-norm statistics, the input an in-place op saves before it writes) counts as
+``saved_extra_bytes``.
+
+The probe also notes which fx nodes draw random numbers (``random_nodes``, from ATen's op tags): the
+executor may run the forward pass in another topological order than the program's, but never draws in
+another order.
+
+An in-place write to a value that a node of *another* IR node has already read (``y = x + 1;
+x.relu_()``) is refused: a recomputation of ``y`` would read the written ``x``, and one IR node per
+storage cannot hold both versions. The error names the module and the two calls.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from strategies import Graph
@@ -44,6 +54,7 @@ class Traced:
     members: tuple[tuple[str, ...], ...]  # fx node names of each IR node, in execution order
     group_of: dict[str, int]  # fx node name -> IR node, for the fx nodes that belong to one
     fx_node_count: int  # layer calls (fx nodes other than inputs, attributes and the output)
+    random_nodes: frozenset[str] = frozenset()  # fx nodes that draw random numbers (the executor keeps their order)
 
 
 class TraceFailure(RuntimeError):
@@ -79,15 +90,51 @@ def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
     try:
         return fx.symbolic_trace(model)
     except Exception as error:  # fx raises TraceError, but also TypeError/AttributeError from user code
-        frames = [f for f in traceback.extract_tb(error.__traceback__) if "/torch/" not in f.filename]
-        where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
-        raise TraceFailure(f"torch.fx cannot trace {type(model).__name__}{where}: {error}. Make the module "
-                           "traceable (no Python control flow on tensor values) or trace a wrapper that "
-                           "skips that call") from error
+        raise TraceFailure(_why_untraceable(model, error)) from error
+
+
+# What fx's errors mean in the model's own terms.
+_CONSTRUCTS = [
+    ("cannot be used as inputs to control flow", "data-dependent control flow (if, while, assert or bool() on a "
+                                                 "tensor's value)"),
+    ("cannot be iterated", "iteration over a traced value (unpacking, a for loop, *args)"),
+    ("'len' is not supported", "len() of a traced value"),
+]
+
+
+def _why_untraceable(model: torch.nn.Module, error: Exception) -> str:
+    """The module (its path in ``model``) and the construct torch.fx stopped at, and where in the code."""
+    paths = {id(m): path for path, m in model.named_modules()}
+    module, where = None, ""
+    for frame, line in traceback.walk_tb(error.__traceback__):
+        if "/torch/" in frame.f_code.co_filename:
+            continue
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and id(owner) in paths:
+            module = f"module {paths[id(owner)] or '(the model itself)'!r} ({type(owner).__name__})"
+        source = traceback.extract_tb(error.__traceback__)
+        code = next((f.line for f in reversed(source) if f.filename == frame.f_code.co_filename and f.lineno == line), "")
+        where = f" at {frame.f_code.co_filename}:{line}" + (f" ({code})" if code else "")
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    construct = next((what for key, what in _CONSTRUCTS if key in text), f"{type(error).__name__}: {text}")
+    return (f"torch.fx cannot trace {type(model).__name__}: {construct}, in {module or 'the model'}{where}. Make "
+            "that code traceable (no Python control flow on tensor values), or wrap the module in a "
+            "traceable one that leaves that call out")
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
     return t.untyped_storage()
+
+
+class _Draws(TorchDispatchMode):
+    """Whether an op drew random numbers: ATen tags every op that consumes the generator
+    ``nondeterministic_seeded`` (dropout's bernoulli_, rand, randn, randperm, SDPA's dropout)."""
+
+    seen = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen = self.seen or torch.Tag.nondeterministic_seeded in func.tags
+        return func(*args, **(kwargs or {}))
 
 
 class _Probe(fx.Interpreter):
@@ -101,6 +148,8 @@ class _Probe(fx.Interpreter):
         self.groups: list[dict] = []  # each: members, bytes, cost, reads, extra, params, kind
         self.group_of: dict[str, int] = {}
         self.fx_count = 0
+        self.random_nodes: set[str] = set()
+        self.readers: dict[int, dict[int, fx.Node]] = {}  # IR node -> {IR node reading it: first reading fx node}
         self._keep_alive = []  # meta tensors are free; holding them keeps storage ids unique
 
     def _group(self, storage) -> int | None:
@@ -123,8 +172,11 @@ class _Probe(fx.Interpreter):
         flops = FlopCounterMode(display=False)  # for cost_model=flops, and every graph's ``flops``
         inputs = [t for t in tree_leaves(self._inputs(node)) if isinstance(t, torch.Tensor)]
         versions = [t._version for t in inputs]
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops:
+        draws = _Draws()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, draws:
             result = super().run_node(node)
+        if draws.seen:
+            self.random_nodes.add(node.name)
         wrote = any(t._version != v for t, v in zip(inputs, versions))
         self._record(node, result, saved, flops.get_total_flops(), wrote)
         return result
@@ -155,6 +207,17 @@ class _Probe(fx.Interpreter):
         group["members"].append(node)
         if wrote_in_place:
             group["final"] = node
+            others = [reader for h, reader in self.readers.get(g, {}).items() if h != g]
+            if others:
+                raise TraceFailure(
+                    f"in-place write {_describe(node, self.module)} changes the value of "
+                    f"{_describe(group['members'][0], self.module)} after {_describe(others[0], self.module)} "
+                    "read it; a recomputation of that reader would see the new value. Write out of place "
+                    "(e.g. relu instead of relu_, inplace=False)")
+        for source in node.all_input_nodes:
+            h = self.group_of.get(source.name)
+            if h is not None:
+                self.readers.setdefault(h, {}).setdefault(g, node)
         group["cost"] += _cost(node, self.module, self.cost_model, flop_count)
         group["flops"] += flop_count
         group["params"] += _param_bytes(node, self.module)
@@ -194,7 +257,16 @@ class _Probe(fx.Interpreter):
         )
         members = tuple(tuple(node.name for node in g["members"]) for g in groups)
         group_of = {name: i for i, names in enumerate(members) for name in names}
-        return Traced(module=gm, graph=graph, members=members, group_of=group_of, fx_node_count=self.fx_count)
+        return Traced(module=gm, graph=graph, members=members, group_of=group_of, fx_node_count=self.fx_count,
+                      random_nodes=frozenset(self.random_nodes))
+
+
+def _describe(node: fx.Node, module: torch.nn.Module) -> str:
+    """An fx node as a person finds it in the model's code: the call and the module it sits in."""
+    target = _target(node, module)
+    call = type(target).__name__ if isinstance(target, torch.nn.Module) else getattr(target, "__name__", str(target))
+    scope = _scope(node) or (node.target if node.op == "call_module" else "")
+    return f"{call} ({node.name}" + (f" in module {scope!r})" if scope else ")")
 
 
 def _scope(node: fx.Node) -> str:

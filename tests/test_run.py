@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 import strategies
 from harness import nets
 from harness.results import load_results
+from harness.__main__ import net_name, net_options
 from harness.run import run_cell
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,14 +23,21 @@ def stems(group):
     return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
 
 
+SOURCES = {"torchvision": ["net.name=convnext_tiny"], "timm": ["net.name=resnet10t"],
+           "module": ["net.target=my_pkg.models:build"]}
+
+
 def test_every_config_composes():
-    assert stems("net") == nets.available()
+    assert sorted(set(stems("net")) - set(SOURCES)) == nets.available()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         for net in stems("net"):
             for strategy in stems("strategy"):
                 for device in stems("device"):
-                    cfg = compose("config", overrides=[f"+net={net}", f"+strategy={strategy}", f"device={device}"])
-                    assert (cfg.net.name, cfg.device.name) == (net, device)
+                    cfg = compose("config", overrides=[f"+net={net}", f"+strategy={strategy}", f"device={device}",
+                                                       *SOURCES.get(net, [])])
+                    assert cfg.device.name == device
+                    assert net_name(cfg.net) == (net if net not in SOURCES else
+                                                 f"{net}:{SOURCES[net][0].split('=')[1]}")
                     # approx_dp_mc is approx_dp with options of its own
                     assert cfg.strategy.name == strategy or strategy.startswith(cfg.strategy.name + "_")
                     fields = {f.name for f in dataclasses.fields(strategies.module(cfg.strategy.name).Options)}
@@ -104,3 +112,21 @@ def test_command_line_errors_name_the_choices(tmp_path):
     if "no CUDA GPU" not in done.stderr:
         pytest.skip("this machine has a GPU")
     assert done.returncode != 0
+
+
+def test_any_model_from_the_command_line_configs(tmp_path):
+    """``+net=torchvision net.name=...`` with builder options reaches run_cell; the row names the model and
+    its options, and a bad name fails with the near matches."""
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose("config", overrides=["+net=torchvision", "net.name=vit_b_16", "+strategy=chen_sqrt",
+                                           "+net.options.kwargs.image_size=32", "batch_size=2", "image_size=32"])
+    assert net_name(cfg.net) == "torchvision:vit_b_16"
+    assert net_options(cfg.net) == {"kwargs": {"image_size": 32}}  # defaults left out: they name the file
+    row = run_cell(net_name(cfg.net), "chen_sqrt", batch_size=2, image_size=32, results_dir=tmp_path,
+                   net_options=net_options(cfg.net))
+    assert row["status"] == "ok", row.get("error")
+    assert row["net"] == "torchvision:vit_b_16" and row["net_options"] == {"kwargs": {"image_size": 32}}
+    assert row["paper_node_count"] is None and Path(row["row_path"]).exists()
+    assert "image_size-32" in Path(row["row_path"]).name
+    with pytest.raises(KeyError, match="near matches: convnext_tiny"):
+        run_cell("torchvision:convnext_tiyn", "vanilla")

@@ -1,0 +1,236 @@
+"""Coverage: does every model people train come out exact, and what does recomputation save on it?
+
+``python -m harness.coverage results/coverage [--models a,b] [--rows DIR]`` takes every torchvision
+classification model (``torchvision.models.list_models(module=torchvision.models)``), torchvision's
+segmentation models, and smp's ``Unet``, ``FPN`` and ``PSPNet`` on three encoders. For each, on the CPU at
+a small input (batch 2, side 64; a ViT at its patch size times 4; ``SIDES`` where a model needs more) with dropout, attention dropout and
+stochastic depth switched on (``exact.switch_on_randomness``):
+- traces it (or records why not: the module and the construct);
+- runs one step under ``approx_dp``, ``chen_sqrt`` and ``swap`` (every value swapped) beside plain
+  PyTorch's, and keeps the worst relative gradient difference (``harness.exact``);
+- on ``meta`` at the model's usual size (batch 32, side 224; smp at 512), measures ``vanilla`` and
+  ``approx_dp`` (mc) and gives the reduction.
+One JSON row per model lands in ``--rows`` (default ``results/coverage_rows``), written atomically, so a
+killed run resumes; the table is ``OUT.md`` and ``OUT.csv``, with the totals and every reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+import strategies
+from harness import nets
+from harness.exact import TOLERANCE, compare, switch_on_randomness
+from harness.execute import execute
+from harness.measure import measure
+from harness.trace import trace
+
+STRATEGIES = ("approx_dp", "chen_sqrt", "swap")
+SMP_ARCHITECTURES = ("Unet", "FPN", "PSPNet")
+SMP_ENCODERS = ("resnet34", "mobilenet_v2", "efficientnet-b0")
+SMALL_BATCH, SMALL_SIDE, META_BATCH = 2, 64, 32
+
+
+def catalogue() -> list[str]:
+    """Every model the benchmark covers: ``nets`` names, and ``smp:ARCHITECTURE:ENCODER``."""
+    import torchvision.models as tvm
+
+    names = [f"torchvision:{name}" for name in tvm.list_models(module=tvm)]
+    names += [f"torchvision:{name}" for name in tvm.list_models(module=tvm.segmentation)]
+    names += [f"smp:{arch}:{encoder}" for arch in SMP_ARCHITECTURES for encoder in SMP_ENCODERS]
+    return names
+
+
+def smp_model(architecture: str, encoder: str, classes: int = 2):
+    """An smp model without weights, through the zoo's ``SmpForward`` (smp's forward checks the input's
+    shape in Python, which torch.fx cannot trace)."""
+    import segmentation_models_pytorch as smp
+
+    return nets.SmpForward(getattr(smp, architecture)(encoder, encoder_weights=None, classes=classes))
+
+
+def _build(name: str, side: int, batch: int, device: str):
+    """Model, input and loss of a catalogue entry at ``side``."""
+    options = {}
+    if name.startswith("smp:"):  # through the module source, as a user's own factory goes
+        _, architecture, encoder = name.split(":")
+        options = {"kwargs": {"architecture": architecture, "encoder": encoder}, "loss": "segmentation"}
+        name = "module:harness.coverage:smp_model"
+    elif name.startswith("torchvision:vit_"):
+        patch = int(name.rsplit("_", 1)[1])
+        side = side if side == 224 else 4 * patch
+        options = {"kwargs": {"image_size": side}}
+    return nets.build(name, batch, side, device, **options)
+
+
+# (small side on the CPU, usual side on meta) where the defaults do not fit the model.
+SIDES = {"torchvision:inception_v3": (96, 299), "torchvision:maxvit_t": (224, 224)}
+
+
+def _sides(name: str) -> tuple[int, int]:
+    """(small side on the CPU, usual side on meta)."""
+    if name.startswith("smp:"):
+        return SMALL_SIDE, 512
+    return SIDES.get(name, (SMALL_SIDE, 224))
+
+
+def cover(name: str) -> dict:
+    """One model's row."""
+    row = {"model": name, "traced": False, "ir_nodes": None, "reason": ""}
+    small, usual = _sides(name)
+    try:
+        torch.manual_seed(0)
+        model, x, loss_fn = _build(name, small, SMALL_BATCH, "cpu")
+        switch_on_randomness(model)
+        traced = trace(model, x)
+    except Exception as error:  # the reason is the row's point
+        row["reason"] = _reason(error)
+        return row
+    row.update(traced=True, ir_nodes=len(traced.graph))
+    worst = 0.0
+    for strategy in STRATEGIES:
+        try:
+            options = {"min_bytes": 0} if strategy == "swap" else {}
+            plan = strategies.solve(strategy, traced.graph, **options)
+            difference = compare(model, x, loss_fn, lambda: execute(traced, plan, x, loss_fn=loss_fn))
+        except Exception as error:
+            row[f"{strategy}_error"] = _reason(error)
+            row["reason"] = row["reason"] or f"{strategy}: {_reason(error)}"
+            worst = math.inf
+            continue
+        row[f"{strategy}_worst"] = difference.worst_gradient
+        row[f"{strategy}_buffers"] = ",".join(difference.buffers)
+        worst = max(worst, difference.worst_gradient, math.inf if difference.buffers else 0.0)
+        if not difference.exact and not row["reason"]:
+            row["reason"] = (f"{strategy}: gradient of {difference.worst_parameter} off by "
+                             f"{difference.worst_gradient:.2g}" + (f"; buffers {difference.buffers}"
+                                                                   if difference.buffers else ""))
+    row["worst_gradient"] = worst
+    row["exact"] = worst <= TOLERANCE
+    del model, traced
+    row.update(_reduction(name, usual))
+    return row
+
+
+def _reduction(name: str, side: int) -> dict:
+    """vanilla and approx_dp (mc) measured on meta at the model's usual size."""
+    try:
+        model, x, loss_fn = _build(name, side, META_BATCH, "meta")
+        traced = trace(model, x)
+        peaks = {}
+        for label, strategy, options in (("vanilla", "vanilla", {}), ("approx_dp_mc", "approx_dp", {"mode": "mc"})):
+            plan = strategies.solve(strategy, traced.graph, **options)
+            peaks[label] = measure(lambda: execute(traced, plan, x, loss_fn=loss_fn), model, (x,), "meta", 0, 0).peak_bytes
+    except Exception as error:
+        return {"meta_error": _reason(error)}
+    return {"meta_side": side, "meta_batch": META_BATCH, "vanilla_gb": peaks["vanilla"] / 1e9,
+            "approx_dp_mc_gb": peaks["approx_dp_mc"] / 1e9,
+            "reduction": 1 - peaks["approx_dp_mc"] / peaks["vanilla"]}
+
+
+def _reason(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".splitlines()[0]
+    return text[:400]
+
+
+def _write_row(row: dict, rows_dir: Path) -> None:
+    rows_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=rows_dir, suffix=".tmp", delete=False) as out:
+        json.dump(row, out, indent=1, sort_keys=True)
+    os.chmod(out.name, 0o666 & ~_umask())
+    os.replace(out.name, rows_dir / f"{_file(row['model'])}.json")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _file(model: str) -> str:
+    return model.replace(":", "__").replace("/", "_")
+
+
+def table(rows: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The per-model table and the totals paragraph."""
+    out = pd.DataFrame({
+        "model": rows.model,
+        "traced": rows.traced.map({True: "yes", False: "no"}),
+        "IR nodes": rows.ir_nodes.astype("Int64"),
+        **{f"{s} worst": rows.get(f"{s}_worst") for s in STRATEGIES},
+        "exact": rows.get("exact").map({True: "yes", False: "NO"}).fillna("") if "exact" in rows else "",
+        "meta vanilla GB": rows.get("vanilla_gb"),
+        "approx_dp (mc) GB": rows.get("approx_dp_mc_gb"),
+        "reduction": rows.get("reduction").map(lambda r: "" if pd.isna(r) else f"{100 * r:.0f}%"),
+        "reason": rows.reason.fillna("") + rows.get("meta_error", pd.Series("", index=rows.index)).fillna("").map(
+            lambda e: f" (meta: {e})" if e else ""),
+    })
+    traced = rows[rows.traced]
+    exact = traced[traced.exact == True]  # noqa: E712 (a column of bools)
+    lines = [f"- models: {len(rows)}; traced: {len(traced)}; exact (worst relative gradient difference "
+             f"<= {TOLERANCE:g} under every strategy, buffers equal): {len(exact)}; not exact: "
+             f"{len(traced) - len(exact)}; not traced: {len(rows) - len(traced)}"]
+    for _, row in rows[~rows.model.isin(exact.model)].iterrows():
+        lines.append(f"- {row.model}: {row.reason or 'no reason recorded'}")
+    if "reduction" in rows:
+        lines.append(f"- approx_dp (mc) against vanilla on meta: median reduction "
+                     f"{100 * rows.reduction.median():.0f}%, range {100 * rows.reduction.min():.0f}% to "
+                     f"{100 * rows.reduction.max():.0f}% over {rows.reduction.notna().sum()} models")
+    return out, "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m harness.coverage", description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="output path without suffix (.md and .csv are written)")
+    parser.add_argument("--rows", type=Path, default=Path("results/coverage_rows"), help="one JSON row per model")
+    parser.add_argument("--models", default=None, help="comma-separated subset of the catalogue")
+    parser.add_argument("--rerun", action="store_true", help="measure again models whose row exists")
+    args = parser.parse_args(argv)
+    names = catalogue()
+    if args.models:
+        wanted = args.models.split(",")
+        unknown = sorted(set(wanted) - set(names))
+        if unknown:
+            raise SystemExit(f"not in the catalogue: {unknown}; run without --models for all {len(names)}")
+        names = wanted
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    for name in tqdm(names, desc="coverage", file=sys.stdout):
+        path = args.rows / f"{_file(name)}.json"
+        if path.exists() and not args.rerun:
+            continue
+        start = time.perf_counter()
+        try:
+            row = cover(name)
+        except Exception:  # a harness bug: recorded, and the sweep goes on
+            row = {"model": name, "traced": False, "reason": "harness error: " + traceback.format_exc(limit=3)}
+        row["seconds"] = time.perf_counter() - start
+        _write_row(row, args.rows)
+        tqdm.write(f"{name}: {'exact' if row.get('exact') else row.get('reason', '')} ({row['seconds']:.0f} s)")
+    rows = pd.DataFrame([json.loads(p.read_text()) for p in sorted(args.rows.glob("*.json"))])
+    rows = rows[rows.model.isin(catalogue())]
+    out, totals = table(rows.sort_values("model").reset_index(drop=True))
+    command = " ".join(["python -m harness.coverage", *(argv if argv is not None else sys.argv[1:])])
+    header = (f"Made by `{command}` on {datetime.date.today().isoformat()}; exactness on cpu (batch "
+              f"{SMALL_BATCH}, side {SMALL_SIDE}, dropout and stochastic depth on, torch {torch.__version__}), "
+              f"reductions measured on meta (meta-tracker, batch {META_BATCH}, side 224; smp 512).\n\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    out.to_csv(args.out.with_suffix(".csv"), index=False, float_format="%.3g")
+    args.out.with_suffix(".md").write_text(header + totals + "\n\n" + out.to_markdown(index=False, floatfmt=".2g") + "\n")
+    print(totals)
+
+
+if __name__ == "__main__":
+    main()

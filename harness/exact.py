@@ -1,0 +1,84 @@
+"""Exactness against plain PyTorch: one step under a plan beside ``loss_fn(model(x)).backward()`` from the
+same state and the same seed. The tests, the coverage benchmark and anyone bringing a model use it.
+
+``compare(model, example_input, loss_fn, run_plan)`` returns a ``Difference``: the loss's absolute
+difference, the worst gradient difference relative to that gradient's scale (``max|g - g_ref| /
+max|g_ref|`` per parameter, worst over parameters; a gradient present on one side only counts as inf),
+and the buffers that differ (BatchNorm statistics must be updated exactly once). The model is left as it
+was.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+# Above this, a gradient is wrong, not rounded: a stage order changes only the order in which autograd
+# sums a value's gradient contributions (float32 rounding, ~1e-6 at the gradient's scale).
+TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True)
+class Difference:
+    loss: float
+    worst_gradient: float  # relative to the gradient's scale
+    worst_parameter: str
+    buffers: tuple[str, ...]  # buffers (running statistics) that differ at all
+
+    @property
+    def exact(self) -> bool:
+        return self.loss <= TOLERANCE * 10 and self.worst_gradient <= TOLERANCE and not self.buffers
+
+
+def compare(model: nn.Module, example_input: torch.Tensor, loss_fn, run_plan: Callable[[], torch.Tensor],
+            seed: int = 0) -> Difference:
+    """Plain PyTorch's step on a copy of ``model``, then ``run_plan()`` (one step of ``model`` under a plan,
+    returning the loss) from the same state and seed; ``model`` is put back as it was."""
+    state = copy.deepcopy(model.state_dict())
+    reference = copy.deepcopy(model)
+    for p in [*model.parameters(), *reference.parameters()]:
+        p.grad = None
+    torch.manual_seed(seed)
+    reference_loss = loss_fn(reference(example_input))
+    reference_loss.backward()
+    torch.manual_seed(seed)
+    loss = run_plan()
+    worst, worst_name = 0.0, ""
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if p.grad is None and q.grad is None:
+            continue
+        if p.grad is None or q.grad is None:
+            difference = math.inf
+        else:
+            scale = q.grad.abs().max().item()
+            difference = (p.grad - q.grad).abs().max().item() / (scale if scale > 0 else 1.0)
+        if difference > worst or not worst_name:
+            worst, worst_name = difference, name
+    buffers = tuple(name for (name, b), r in zip(model.named_buffers(), reference.buffers()) if not torch.equal(b, r))
+    model.load_state_dict(state)
+    for p in model.parameters():
+        p.grad = None
+    return Difference(loss=abs(loss.item() - reference_loss.item()), worst_gradient=worst,
+                      worst_parameter=worst_name, buffers=buffers)
+
+
+def switch_on_randomness(model: nn.Module, p: float = 0.1) -> nn.Module:
+    """Dropout, attention dropout and stochastic depth at ``p`` wherever a model has them switched off, so
+    that an exactness check sees random ops in every place they can be (timm's ``DropPath`` included)."""
+    from torchvision.ops import StochasticDepth
+
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p == 0:
+            module.p = p
+        elif isinstance(module, StochasticDepth) and module.p == 0:
+            module.p = p
+        elif isinstance(module, nn.MultiheadAttention) and module.dropout == 0:
+            module.dropout = p
+        elif type(module).__name__ == "DropPath" and getattr(module, "drop_prob", None) == 0:
+            module.drop_prob = p
+    return model

@@ -1,0 +1,296 @@
+"""Any PyTorch model, exact: randomness, in-place ops and state handled by mechanism (NOTE [replaying side
+effects] in harness/execute.py), on models from outside the zoo; and models named by source."""
+
+import sys
+import textwrap
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import strategies
+from harness import nets
+from harness.exact import compare, switch_on_randomness
+from harness.execute import execute
+from harness.trace import TraceFailure, trace
+
+# torchvision models at small sizes, dropout and stochastic depth on: (name, side, builder kwargs).
+TORCHVISION = [
+    ("mobilenet_v2", 32, {}), ("mobilenet_v3_small", 32, {}), ("efficientnet_b0", 32, {}),
+    ("shufflenet_v2_x0_5", 32, {}), ("squeezenet1_1", 48, {}), ("convnext_tiny", 32, {}),
+    ("regnet_y_400mf", 32, {}), ("swin_t", 32, {}), ("vit_b_16", 32, {"image_size": 32}),
+]
+
+
+def assert_exact(model, x, loss_fn, strategies_to_check=("approx_dp", "chen_sqrt")):
+    traced = trace(model, x)
+    for name in strategies_to_check:
+        plan = strategies.solve(name, traced.graph)
+        assert plan.recomputed, f"{name} must recompute something for the check to mean anything"
+        difference = compare(model, x, loss_fn, lambda: execute(traced, plan, x, loss_fn=loss_fn))
+        assert difference.exact, f"{name}: {difference}"
+    return traced
+
+
+@pytest.mark.parametrize("name,side,kwargs", TORCHVISION, ids=[t[0] for t in TORCHVISION])
+def test_torchvision_models_are_exact_with_randomness_on(name, side, kwargs):
+    torch.manual_seed(0)
+    model, x, loss_fn = nets.build(f"torchvision:{name}", 2, side, "cpu", kwargs=kwargs)
+    switch_on_randomness(model)
+    assert_exact(model, x, loss_fn)
+
+
+class GPTDecoder(nn.Module):
+    """A GPT-style decoder from nn.TransformerEncoderLayer: pre-norm, causal mask, dropout 0.1 (the
+    attention's own dropout runs inside F.multi_head_attention_forward)."""
+
+    def __init__(self, vocab=97, width=32, heads=4, depth=3, length=16):
+        super().__init__()
+        self.embed, self.position = nn.Embedding(vocab, width), nn.Parameter(torch.randn(length, width) * 0.02)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.1, batch_first=True, norm_first=True)
+            for _ in range(depth))
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(length))
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens) + self.position
+        for layer in self.layers:
+            x = layer(x, src_mask=self.mask, is_causal=True)
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gpt_style_decoder_with_attention_dropout_is_exact(seed):
+    torch.manual_seed(seed)
+    model = GPTDecoder().train()
+    tokens = torch.randint(0, 97, (2, 16))
+    assert_exact(model, tokens, lambda logits: nets.next_token_loss(logits, tokens))
+
+
+@pytest.mark.parametrize("net", ["gpt2", "vit_b_16"])
+def test_every_plan_on_the_zoos_transformers(net):
+    """Every strategy and peer (the zoo's blocks and sequence) against plain PyTorch, SDPA's and MHA's
+    dropout on: the zoo's code with two blocks, GPT-2 narrower with a small vocabulary, ViT-B/16 at 32x32
+    (torchvision fixes its side at construction); every plan on them says what it would on the full nets."""
+    from test_executor import assert_step_matches, plans, reference_step
+
+    torch.manual_seed(0)
+    if net == "gpt2":
+        model = nets.GPT2(vocab_size=512, context=32, width=64, depth=2, heads=4).train()
+        x = torch.randint(0, 512, (2, 32))
+        loss_fn = partial(nets.next_token_loss, tokens=x)
+    else:
+        model, x, loss_fn = nets.build("torchvision:vit_b_16", 2, 32, "cpu", kwargs={
+            "image_size": 32, "dropout": 0.1, "attention_dropout": 0.1})
+        model.encoder.layers = model.encoder.layers[:2]
+    structure = nets.spec(net).blocks(model), nets.spec(net).sequence(model)
+    structure = {"blocks": structure[0], "sequence": structure[1]}
+    assert len(structure["blocks"]) == 2 and structure["sequence"]
+    reference, reference_loss = reference_step(model, x, loss_fn)
+    traced = trace(model, x)
+    for name, plan in plans(traced.graph, structure):
+        assert_step_matches(model, x, loss_fn, reference, reference_loss, plan, traced, structure)
+
+
+class Randomness(nn.Module):
+    """Random draws no list could name: a new tensor filled in place, torch.rand on a shape, a functional
+    dropout, SDPA's dropout_p and stochastic depth, each feeding a value that gets recomputed."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        noise = x.new_empty(x.shape).uniform_()  # bernoulli_-style: a fresh tensor, written in place
+        h = torch.tanh(self.a(x)) * noise
+        h = h * (torch.rand(h.shape, device=h.device) > 0.3)
+        h = F.dropout(torch.tanh(self.b(h)), 0.4, training=True)
+        q = h.view(2, 1, 4, 8)
+        h = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5).view(8, 8)
+        from torchvision.ops import stochastic_depth
+
+        return self.c(stochastic_depth(torch.sin(h), 0.5, "row", training=True))
+
+
+class InPlace(nn.Module):
+    """In-place ops of every kind: modules, F.*(inplace=True), tensor methods, writes to views."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.act = nn.Hardswish(inplace=True)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        h = self.act(self.a(x))
+        h = F.relu6(h, inplace=True)
+        h = self.bn(h)
+        h.add_(1.0)
+        h[:, :3].mul_(2.0)
+        h.view(-1)[::2].add_(0.5)
+        h = h.relu_()
+        return F.hardtanh(self.b(h), 0.1, 2.0, inplace=True)
+
+
+class FunctionalBatchNorm(nn.Module):
+    """Running statistics updated by F.batch_norm on buffers: no BatchNorm module to recognise."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("mean", torch.zeros(8))
+        self.register_buffer("var", torch.ones(8))
+
+    def forward(self, x):
+        h = F.batch_norm(self.a(x), self.mean, self.var, training=True, momentum=0.3)
+        return self.b(torch.tanh(h))
+
+
+@pytest.mark.parametrize("model_type", [Randomness, InPlace, FunctionalBatchNorm])
+def test_side_effects_are_replayed_by_mechanism(model_type):
+    torch.manual_seed(0)
+    model = model_type().train()
+    x = torch.randn(8, 8)
+    loss_fn = lambda out: out.square().sum()  # noqa: E731
+    traced = trace(model, x)
+    everything = strategies.Plan.from_stages(traced.graph, [strategies.bits(range(len(traced.graph)))])
+    recompute_all = strategies.Plan.from_stages(
+        traced.graph, [strategies.bits([v]) for v in range(len(traced.graph))])
+    assert everything.recomputed or recompute_all.recomputed
+    for plan in (everything, recompute_all, strategies.solve("approx_dp", traced.graph)):
+        difference = compare(model, x, loss_fn, lambda: execute(traced, plan, x, loss_fn=loss_fn))
+        assert difference.exact, difference
+    # The program's own stream goes on as plain PyTorch's: the next draw is the same.
+    torch.manual_seed(0)
+    model(x)
+    after_plain = torch.rand(3)
+    torch.manual_seed(0)
+    execute(traced, everything, x, loss_fn=loss_fn)
+    torch.testing.assert_close(torch.rand(3), after_plain, rtol=0, atol=0)
+
+
+def test_a_write_to_a_value_another_layer_has_read_is_refused_with_its_place():
+    class Overwrites(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.a(x)
+            y = h + 1
+            h.relu_()
+            return self.b(h) + y
+
+    with pytest.raises(TraceFailure, match=r"in-place write relu_ .*changes the value of Linear .*add"):
+        trace(Overwrites(), torch.randn(2, 4))
+
+
+def test_data_dependent_control_flow_names_the_module_and_the_construct():
+    class Gate(nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x
+
+    model = nn.Sequential(nn.Linear(4, 4), Gate())
+    with pytest.raises(TraceFailure, match=r"data-dependent control flow.*module '1' \(Gate\).*x\.sum\(\) > 0"):
+        trace(model, torch.randn(2, 4))
+
+
+def test_unknown_names_list_the_near_matches():
+    with pytest.raises(KeyError, match="near matches: convnext_tiny"):
+        nets.spec("torchvision:convnext_tiyn")
+    with pytest.raises(KeyError, match="near matches: vit_small_patch16_224"):
+        nets.spec("timm:vit_smal_patch16_224")
+    with pytest.raises(KeyError, match="valid sources: torchvision, timm, module"):
+        nets.spec("hub:resnet50")
+    with pytest.raises(KeyError, match="other inputs than an image batch"):
+        nets.spec("torchvision:fasterrcnn_resnet50_fpn")
+    with pytest.raises(ValueError, match="valid: kwargs, input"):
+        nets.spec("torchvision:resnet18", colour="blue")
+
+
+def test_a_users_factory_by_import_path(tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text(textwrap.dedent("""
+        import torch.nn as nn
+
+        def build(width=4):
+            return nn.Sequential(nn.Conv2d(3, width, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                 nn.Linear(width, 5))
+
+        def not_a_model():
+            return "a string"
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model, x, loss_fn = nets.build("module:my_models:build", 2, 16, "cpu", kwargs={"width": 6})
+    assert model[0].out_channels == 6 and x.shape == (2, 3, 16, 16)
+    assert_exact(model, x, loss_fn, ("approx_dp",))
+    with pytest.raises(TypeError, match="returned a str, not an nn.Module"):
+        nets.build("module:my_models:not_a_model", 2, 16, "cpu")
+    with pytest.raises(KeyError, match="cannot import it"):
+        nets.spec("module:no_such_package.models:build")
+    with pytest.raises(ValueError, match="PACKAGE.MODULE:FACTORY"):
+        nets.spec("module:my_models")
+    sys.modules.pop("my_models", None)
+
+
+def test_timm_models_by_name_never_pretrained():
+    model, x, loss_fn = nets.build("timm:resnet10t", 2, 32, "cpu")
+    assert x.shape == (2, 3, 32, 32) and nets.spec("timm:vit_small_patch16_224").image_size == 224
+    assert_exact(model, x, loss_fn, ("approx_dp",))
+
+
+def test_the_zoo_has_two_transformers():
+    vit, gpt2 = nets.spec("vit_b_16"), nets.spec("gpt2")
+    assert (vit.batch_size, vit.image_size, gpt2.batch_size, gpt2.image_size) == (64, 224, 8, 1024)
+    model, tokens, loss_fn = nets.build("gpt2")
+    assert tokens.shape == (8, 1024) and tokens.dtype == torch.long
+    assert model.lm_head.weight is model.embed.wte.weight  # tied
+    assert sum(p.numel() for p in model.parameters()) == 124_439_808  # GPT-2 small
+    assert len(nets.structure("gpt2", model)["blocks"]) == 12 and len(nets.structure("vit_b_16", nets.build(
+        "vit_b_16")[0])["blocks"]) == 12
+
+
+def test_a_recomputation_frees_what_its_rerun_saved():
+    """A layer rerun to collect what it saves (MHA's attention weights, softmax outputs) must leave nothing
+    behind: a saved output holds its own grad_fn, a cycle that once kept every rerun alive to the step's
+    end (ViT-B/16 measured 4x its prediction)."""
+    from harness.measure import measure
+    from harness.run import fixed_bytes
+
+    model, x, loss_fn = nets.build("vit_b_16", 8, None, "meta")
+    traced = trace(model, x)
+    plan = strategies.solve("approx_dp", traced.graph, mode="mc")
+    predicted = strategies.simulate(traced.graph, plan).peak_bytes + fixed_bytes(model, x)
+    measured = measure(lambda: execute(traced, plan, x, loss_fn=loss_fn), model, (x,), "meta", 0, 0).peak_bytes
+    assert measured <= 1.1 * predicted, (measured, predicted)
+
+
+def test_draws_keep_program_order_when_stages_reorder_the_forward():
+    """An auxiliary head (GoogLeNet's, Inception's) draws its dropout mask before the main head does; a plan
+    that puts the auxiliary head in a later stage must not make the main head draw first."""
+
+    class AuxHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.aux, self.main = (nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            aux = self.aux(F.dropout(h, 0.5))
+            main = self.main(F.dropout(torch.tanh(self.b(h)), 0.5))
+            return main, aux
+
+    torch.manual_seed(0)
+    model = AuxHead().train()
+    x = torch.randn(4, 8)
+    loss_fn = lambda out: out[0].square().sum()  # noqa: E731 (the auxiliary output is not trained here)
+    traced = trace(model, x)
+    names = traced.graph.names
+    aux = strategies.bits(v for v, name in enumerate(names) if "aux" in name or name == "dropout")
+    rest = traced.graph.all_nodes & ~aux
+    plan = strategies.Plan.from_stages(traced.graph, [rest, aux])
+    assert {"dropout", "dropout_1"} <= traced.random_nodes
+    difference = compare(model, x, loss_fn, lambda: execute(traced, plan, x, loss_fn=loss_fn))
+    assert difference.exact, difference
