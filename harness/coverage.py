@@ -20,9 +20,7 @@ import argparse
 import datetime
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -36,6 +34,7 @@ from harness import nets
 from harness.exact import TOLERANCE, compare, switch_on_randomness
 from harness.execute import execute
 from harness.measure import measure
+from harness.results import write_row
 from harness.trace import trace
 
 STRATEGIES = ("approx_dp", "chen_sqrt", "swap")
@@ -77,7 +76,7 @@ def _build(name: str, side: int, batch: int, device: str):
 
 
 # (small side on the CPU, usual side on meta) where the defaults do not fit the model.
-SIDES = {"torchvision:inception_v3": (96, 299), "torchvision:maxvit_t": (224, 224)}
+SIDES = {"torchvision:inception_v3": (299, 299), "torchvision:maxvit_t": (224, 224)}  # aux head; fixed windows
 
 
 def _sides(name: str) -> tuple[int, int]:
@@ -146,20 +145,6 @@ def _reason(error: BaseException) -> str:
     return text[:400]
 
 
-def _write_row(row: dict, rows_dir: Path) -> None:
-    rows_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=rows_dir, suffix=".tmp", delete=False) as out:
-        json.dump(row, out, indent=1, sort_keys=True)
-    os.chmod(out.name, 0o666 & ~_umask())
-    os.replace(out.name, rows_dir / f"{_file(row['model'])}.json")
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _file(model: str) -> str:
     return model.replace(":", "__").replace("/", "_")
 
@@ -217,7 +202,7 @@ def main(argv=None) -> None:
         except Exception:  # a harness bug: recorded, and the sweep goes on
             row = {"model": name, "traced": False, "reason": "harness error: " + traceback.format_exc(limit=3)}
         row["seconds"] = time.perf_counter() - start
-        _write_row(row, args.rows)
+        write_row(row, args.rows, f"{_file(name)}.json")
         tqdm.write(f"{name}: {'exact' if row.get('exact') else row.get('reason', '')} ({row['seconds']:.0f} s)")
     rows = pd.DataFrame([json.loads(p.read_text()) for p in sorted(args.rows.glob("*.json"))])
     rows = rows[rows.model.isin(catalogue())]

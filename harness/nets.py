@@ -331,8 +331,13 @@ def build(name: str, batch_size: int | None = None, image_size: int | None = Non
     batch_size = net.batch_size if batch_size is None else batch_size
     image_size = net.image_size if image_size is None else image_size
     check_sizes(name, batch_size, image_size, **options)
-    with torch.device(device):
-        model = net.build_model()
+    try:
+        with torch.device(device):
+            model = net.build_model()
+    except NotImplementedError:  # a constructor that computes on tensors (RegNet's widths) cannot run on meta
+        if device != "meta":
+            raise
+        model = net.build_model().to("meta")
     model.train()
     if net.input == "tokens":
         generator = torch.Generator().manual_seed(0)

@@ -16,9 +16,10 @@ backward graphs are kept, and each step runs them op by op under ``no_grad`` (th
 the loss and its gradient eagerly between them; each value, saved ones included, is freed after its last
 use in its graph, as inductor's generated code does. That compile, on meta, is ``compile_time_s``. On ``cpu``
 and ``cuda`` the step is the real ``torch.compile`` (``aot_eager_decomp_partition`` on cpu, inductor on
-cuda); the cuda allocator measures it (the row's ``tracker_peak_bytes``, taken under the tracker, is the
-eager step's there; untested so far, no GPU was lent), while on cpu nothing can, so ``check_measurable``
-refuses a cpu row.
+cuda), compiled by a first step outside any dispatch mode (``compile_time_s``: dynamo runs a frame first met
+under the tracker eagerly and never compiles it after); the cuda allocator measures it (the row's
+``tracker_peak_bytes``, taken under the tracker, is the eager step's there), while on cpu nothing can, so
+``check_measurable`` refuses a cpu row.
 """
 
 from __future__ import annotations
@@ -138,25 +139,35 @@ def sequential_functions(model: nn.Module, sequence: list[str], segments: int) -
 
 def compiled_step(model: nn.Module, example_input: torch.Tensor, loss_fn, budget_ratio: float):
     """The step under ``torch.compile`` with ``activation_memory_budget`` (NOTE [measuring torch.compile]);
-    the returned function has ``compile_time_s`` (on meta, set here; elsewhere, after its first call)."""
+    the returned function has ``compile_time_s``. Off meta, the first step runs here, outside any dispatch
+    mode: dynamo runs a frame it first meets under one (the tracker's) eagerly, and skips it for good."""
     import torch._functorch.config as functorch_config
 
     budget = functorch_config.patch(activation_memory_budget=budget_ratio)
     if example_input.device.type == "meta":
         return _replayed_step(model, example_input, loss_fn, budget)
+    if _get_current_dispatch_mode() is not None:
+        raise RuntimeError("compiled_step: build the step outside any dispatch mode, or dynamo will not compile it")
     backend = "inductor" if example_input.device.type == "cuda" else "aot_eager_decomp_partition"
     compiled = torch.compile(model, backend=backend)
 
     def run():
-        start = time.perf_counter()
         with budget:
             loss = loss_fn(compiled(example_input))
             loss.backward()
-        if run.compile_time_s is None and _get_current_dispatch_mode() is None:  # under one, it ran eagerly
-            run.compile_time_s = time.perf_counter() - start
         return loss.detach()
 
-    run.compile_time_s = None
+    buffers = [b.clone() for b in model.buffers()]  # the compiling step must not count as a step
+    start = time.perf_counter()
+    run()
+    if example_input.device.type == "cuda":
+        torch.cuda.synchronize()
+    run.compile_time_s = time.perf_counter() - start
+    with torch.no_grad():
+        for buffer, value in zip(model.buffers(), buffers):
+            buffer.copy_(value)
+    for p in model.parameters():
+        p.grad = None
     return run
 
 

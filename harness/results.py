@@ -44,16 +44,24 @@ def label(strategy: str, options: dict) -> str:
     return strategy + (f" ({mode})" if mode else "")
 
 
-def write_row(row: dict, directory: str | os.PathLike) -> Path:
-    """Write ``row`` to ``directory/cell_name(row)``; a reader never sees half a file."""
+def write_row(row: dict, directory: str | os.PathLike, name: str | None = None) -> Path:
+    """Write ``row`` to ``directory/name`` (default ``cell_name(row)``); a reader never sees half a file."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / cell_name(row)
+    path = directory / (name or cell_name(row))
     with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as out:
         json.dump(row, out, indent=1, sort_keys=True)
         out.write("\n")
+    os.chmod(out.name, 0o666 & ~umask())  # mkstemp makes 0600; teammates on a shared file system read rows
     os.replace(out.name, path)
     return path
+
+
+def umask() -> int:
+    """The process's umask (os.umask can only be read by setting it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def read_row(path: str | os.PathLike) -> dict:

@@ -139,3 +139,24 @@ def test_compile_budget_on_tied_weights(tmp_path):
     row = run_cell("gpt2", "torch_compile_budget", batch_size=1, image_size=32, results_dir=tmp_path)
     assert row["status"] == "ok", row.get("error")
     assert row["measured_peak_bytes"] > row["static_bytes"]
+
+
+def test_the_compile_peer_compiles_before_any_dispatch_mode():
+    """A step whose first call runs under the tracker (a dispatch mode) would never be compiled: dynamo
+    skips that frame for good, and every later step, timed ones included, would run eagerly."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from harness.measure import MemoryTracker
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, x, loss_fn = nets.build("vgg19", 1, 32, device="cpu")
+    run = peers.compiled_step(model, x, loss_fn, budget_ratio=0.5)
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled >= 1 and counters["frames"]["ok"] >= 1, "compiled when built, before any dispatch mode"
+    assert run.compile_time_s > 0
+    with MemoryTracker(model, (x,)):  # what measure() does first
+        run()
+    run()
+    assert counters["stats"]["unique_graphs"] == compiled  # compiled once, then reused

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 
 import strategies
 from harness import nets
-from harness.results import load_results
+from harness.results import load_results, umask
 from harness.__main__ import net_name, net_options
 from harness.run import run_cell
 
@@ -58,6 +58,8 @@ def test_a_run_writes_one_row(tmp_path):
     assert row["step_time_ms"] is None and row["paper_node_count"] == 176 and row["git_commit"] is not None
     table = load_results(tmp_path)
     assert len(table) == 1 and table.loc[0, "net"] == "resnet50"
+    # Rows follow the umask (mkstemp alone makes 0600, unreadable to teammates on a shared file system).
+    assert os.stat(row["row_path"]).st_mode & 0o777 == 0o666 & ~umask()
 
 
 def test_an_unmeetable_budget_is_an_infeasible_row(tmp_path):
