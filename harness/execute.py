@@ -128,6 +128,7 @@ class _Step:
     storage_group: dict[int, tuple[weakref.ref, int]] = field(default_factory=dict)
     pending: list[_Saved] = field(default_factory=list)  # packed since the last resolve
     tokens_left: dict[int, int] = field(default_factory=dict)  # group -> tokens not yet unpacked
+    value_tokens: dict[int, int] = field(default_factory=dict)  # group -> those of them that read its value
     cache: dict[str, object] = field(default_factory=dict)  # fx node of a kept group -> value, for recomputation
     cache_stages: dict[int, set[int]] = field(default_factory=dict)  # kept group -> stages still to read it
     recomputed: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -266,6 +267,8 @@ class _Step:
                 continue
             saved.tensor = None
             self.tokens_left[saved.group] = self.tokens_left.get(saved.group, 0) + 1
+            if saved.extra is None:
+                self.value_tokens[saved.group] = self.value_tokens.get(saved.group, 0) + 1
         self.pending.clear()
 
     def unpack(self, saved: _Saved) -> torch.Tensor:
@@ -283,6 +286,9 @@ class _Step:
             base = self.recomputed[g]
             assert base.dtype == dtype, "executor bug: a token's dtype differs from its recomputed storage"
             value = base.as_strided(size, stride, offset)
+            self.value_tokens[g] -= 1
+            if self.value_tokens[g] == 0:
+                self.recomputed[g] = _EXTRAS_ONLY  # the value goes; what its layer saved may still be read
         self.tokens_left[g] -= 1
         if self.tokens_left[g] == 0:
             del self.recomputed[g]
@@ -330,7 +336,9 @@ class _Step:
         names = {name for g in groups for name in self.traced.members[g]}
         order = [n for n in self.traced.module.graph.nodes if n.name in names]
         uses = _last_uses(self.traced.module.graph, within=names)
-        finals = {self.traced.members[g][-1] for g in groups}  # values the tokens will read
+        # The values tokens will read stay to the end of the stage; any other goes after its last use here,
+        # as the simulator frees it (a value no backward reads: a downsampling branch read by an addition).
+        finals = {self.traced.members[g][-1] for g in groups if self.value_tokens.get(g)}
         env = {}
         with torch.no_grad(), _preserved_rng(self.devices):
             for node in order:
@@ -344,9 +352,12 @@ class _Step:
                         uses[source.name] -= 1
                         if uses[source.name] == 0 and source.name not in finals:
                             env.pop(source.name, None)
+                if not uses.get(node.name) and node.name not in finals:
+                    env.pop(node.name)
         for g in groups:
-            if self.tokens_left.get(g):  # pending tokens: values, or extras only (then any marker will do)
-                self.recomputed[g] = _first_tensor(env[self.traced.members[g][-1]])
+            if self.tokens_left.get(g):  # pending tokens: of its value, or only of what its layer saved
+                final = self.traced.members[g][-1]
+                self.recomputed[g] = _first_tensor(env[final]) if self.value_tokens.get(g) else _EXTRAS_ONLY
         for g in list(self.cache_stages):
             self.cache_stages[g].discard(stage)
             self._release_cache(g)
@@ -433,6 +444,9 @@ class _Step:
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         return self.modules[node.target](*args, **kwargs)
+
+
+_EXTRAS_ONLY = object()  # a recomputed group whose value no token reads any more (its extras may be)
 
 
 class _Fresh(torch.autograd.Function):

@@ -77,7 +77,8 @@ def strategies_table(rows: pd.DataFrame) -> pd.DataFrame:
             out.append({
                 "net": net, "strategy": strategy + (f" ({mode})" if mode else ""), "batch": row.batch_size,
                 "measured GB": row.measured_peak_bytes / GB,
-                "vs vanilla": f"{100 * (row.measured_peak_bytes / base - 1):+.0f}%",
+                "vs vanilla": (f"{100 * (row.measured_peak_bytes / base - 1):+.0f}%"
+                               if pd.notna(row.measured_peak_bytes) else "not run"),  # ilp_optimal: predicted only
                 "predicted GB": _ratio(row.predicted_peak_bytes, GB),  # none for torch.compile's peer
                 "model (no liveness) GB": _ratio(row.predicted_peak_no_liveness_bytes, GB),
                 "overhead / forward": _ratio(row.predicted_overhead_cost, row.total_cost),

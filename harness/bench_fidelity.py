@@ -1,0 +1,96 @@
+"""Does a prediction hold? ``python -m harness.bench_fidelity OUT_STEM [--rows DIR] [--nets a,b]``.
+
+Every strategy that makes a plan in the IR, on the seven nets of seed 004 at its batch and at four times
+it, on ``meta``: the simulator's predicted peak beside the tracker's measured one, and their gap
+(``(measured - predicted) / measured``). Strategies that take a budget (the tc DPs, ``chen_greedy``,
+``swap``) run again with one: halfway between the least memory ``approx_dp`` (mc) measured and
+``vanilla``'s, and the row says whether the measured peak overshot it. One result row per run lands in
+``--rows`` (default ``results/rows_fidelity_meta``, committed); a killed run resumes. Writes
+``OUT_STEM.md`` (with the worst gaps and the overshoots) and ``OUT_STEM.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import pandas as pd
+from tqdm import tqdm
+
+from harness import nets
+from harness.results import label, load_results
+from harness.run import run_cell
+
+GB = 1e9
+UNBUDGETED = [("vanilla", {}), ("liveness_only", {}), ("chen_sqrt", {}), ("chen_greedy", {}),
+              ("approx_dp", {"mode": "tc"}), ("approx_dp", {"mode": "mc"}), ("exact_dp", {"mode": "tc"}),
+              ("exact_dp", {"mode": "mc"}), ("torch_checkpoint_blocks", {}), ("torch_checkpoint_sequential", {}),
+              ("swap", {})]
+BUDGETED = [("approx_dp", {"mode": "tc"}), ("exact_dp", {"mode": "tc"}), ("chen_greedy", {}), ("swap", {})]
+
+
+def cells(net: str, batch: int, rows_dir: Path) -> list[dict]:
+    """Run (or resume) every cell of one net and batch; the budgeted ones need two unbudgeted rows first."""
+    done = [run_cell(net, strategy, batch_size=batch, options=options, results_dir=rows_dir, resume=True)
+            for strategy, options in UNBUDGETED]
+    least = next(r for r in done if r["strategy"] == "approx_dp" and r["options"]["mode"] == "mc")
+    vanilla = next(r for r in done if r["strategy"] == "vanilla")
+    if least["status"] != "ok" or vanilla["status"] != "ok":
+        return done
+    budget = (least["measured_peak_bytes"] + vanilla["measured_peak_bytes"]) // 2
+    return done + [run_cell(net, strategy, batch_size=batch, options=options, budget=budget, results_dir=rows_dir,
+                            resume=True) for strategy, options in BUDGETED]
+
+
+def table(rows: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    rows = rows[(rows.device == "meta") & rows.net.isin(nets.PAPER_NETS)].copy()
+    out = []
+    for row in rows.itertuples():
+        measured, predicted, budget = row.measured_peak_bytes, row.predicted_peak_bytes, row.budget_bytes
+        ok = row.status == "ok" and pd.notna(measured) and pd.notna(predicted)
+        out.append({
+            "net": row.net, "batch": row.batch_size, "strategy": label(row.strategy, row.options),
+            "budget GB": budget / GB if pd.notna(budget) else None,
+            "predicted GB": predicted / GB if ok else None, "measured GB": measured / GB if ok else None,
+            "gap": (measured - predicted) / measured if ok else None,
+            "overshoot": ("yes" if ok and pd.notna(budget) and measured > budget else
+                          "" if ok or row.status != "infeasible" else "infeasible"),
+            "status": row.status,
+        })
+    table = pd.DataFrame(out).sort_values(["net", "batch", "strategy", "budget GB"], na_position="first")
+    done = table.dropna(subset=["gap"])
+    worst = done.loc[done.gap.abs().sort_values(ascending=False).index[:10]]
+    lines = [f"- runs: {len(table)}; with a prediction and a measurement: {len(done)}; worst gap "
+             f"{100 * done.gap.abs().max():.1f}%; gaps over 1%: {(done.gap.abs() > 0.01).sum()}; budget "
+             f"overshoots: {(table.overshoot == 'yes').sum()} of {table['budget GB'].notna().sum()} budgeted runs",
+             "- the ten worst: " + "; ".join(f"{r['net']} b{r['batch']} {r['strategy']}"
+                                             + (f" at {r['budget GB']:.2f} GB" if pd.notna(r["budget GB"]) else "")
+                                             + f" {100 * r['gap']:+.1f}%" for r in worst.to_dict("records"))]
+    table["gap"] = table.gap.map(lambda g: "" if pd.isna(g) else f"{100 * g:+.1f}%")
+    return table, "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m harness.bench_fidelity", description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="output path without suffix (.md and .csv are written)")
+    parser.add_argument("--rows", type=Path, default=Path("results/rows_fidelity_meta"))
+    parser.add_argument("--nets", default=",".join(nets.PAPER_NETS))
+    args = parser.parse_args(argv)
+    work = [(net, factor * nets.spec(net).batch_size) for net in args.nets.split(",") for factor in (1, 4)]
+    for net, batch in tqdm(work, desc="fidelity", file=sys.stdout):
+        cells(net, batch, args.rows)
+    out, summary = table(load_results(args.rows))
+    command = " ".join(["python -m harness.bench_fidelity", *(argv if argv is not None else sys.argv[1:])])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    out.to_csv(args.out.with_suffix(".csv"), index=False, float_format="%.3f")
+    header = (f"Made by `{command}` on {datetime.date.today().isoformat()}; meta (meta-tracker) for the "
+              "measured peaks, the simulator's liveness replay for the predicted. Peaks in decimal GB, "
+              "parameters, buffers and the input batch included.\n\n")
+    args.out.with_suffix(".md").write_text(header + summary + "\n\n" + out.to_markdown(index=False, floatfmt=".2f") + "\n")
+    print(summary)
+
+
+if __name__ == "__main__":
+    main()
