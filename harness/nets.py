@@ -388,7 +388,7 @@ def segmentation_loss(output) -> torch.Tensor:
 
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Language modelling: position ``t`` predicts token ``t + 1`` of the input (the last predicts nothing)."""
-    labels = tokens.roll(-1, dims=1)
+    labels = tokens.to(logits.device).roll(-1, dims=1)
     labels[:, -1] = -100  # F.cross_entropy's ignore_index
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 

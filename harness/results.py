@@ -34,8 +34,12 @@ def _flat(options: dict, prefix: str = "") -> list[tuple[str, object]]:
 
 
 def mode_of(options: dict) -> str:
-    """What tells a strategy's variants apart in tables: a DP's mode, or the plan swap runs on."""
-    return options.get("mode") or (f"on {options['base']}" if options.get("base") else "")
+    """What tells a strategy's variants apart in tables: a DP's mode (and seed 004's memory model, where it
+    runs on it), or the plan swap runs on."""
+    mode = options.get("mode") or (f"on {options['base']}" if options.get("base") else "")
+    if options.get("memory_model") == "paper":
+        return f"{mode}, paper model" if mode else "paper model"
+    return mode
 
 
 def label(strategy: str, options: dict) -> str:

@@ -95,7 +95,7 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
 def _measure_cell(row: dict) -> dict:
     model, example_input, loss_fn = nets.build(row["net"], row["batch_size"], row["image_size"], row["device"],
                                                **row["net_options"])
-    traced = trace(model, example_input, row["cost_model"])
+    traced = trace(model, example_input, row["cost_model"], loss_fn=loss_fn)
     graph = traced.graph
     static_bytes = fixed_bytes(model, example_input)
     # A strategy that follows the net's own layout (a PyTorch peer) gets the zoo's blocks or sequence; they
@@ -156,9 +156,8 @@ def _solve(row: dict, graph, static_bytes: int, zoo_options: dict):
     options = {**zoo_options, **row["options"]}
     try:
         if budget is not None and budget <= static_bytes:  # the fixed part alone does not fit: say what would
-            least = strategies.solve(row["strategy"], graph, None, **options)
-            liveness = strategies.module(row["strategy"]).BUDGET_LIVENESS
-            raise strategies.InfeasibleBudget(budget, strategies.simulate(graph, least, liveness).peak_bytes)
+            strategies.solve(row["strategy"], graph, 1, **options)  # raises, with the least by its own count
+            raise strategies.InfeasibleBudget(budget, None)
         return strategies.solve(row["strategy"], graph, None if budget is None else budget - static_bytes,
                                 **options)
     except strategies.InfeasibleBudget as error:

@@ -28,6 +28,7 @@ storage cannot hold both versions. The error names the module and the two calls.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from strategies import Graph
 
@@ -61,16 +62,42 @@ class TraceFailure(RuntimeError):
     pass
 
 
-def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str = "paper") -> Traced:
-    """Trace ``model`` on ``example_input`` into a ``Traced`` (see NOTE [nodes are storages])."""
+def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str = "paper", loss_fn=None) -> Traced:
+    """Trace ``model`` on ``example_input`` into a ``Traced`` (see NOTE [nodes are storages]); with
+    ``loss_fn``, the graph's ``loss_bytes`` is what the loss holds beside the outputs and their gradients,
+    measured on meta."""
     if cost_model not in COST_MODELS:
         raise ValueError(f"unknown cost_model {cost_model!r}; valid: {', '.join(COST_MODELS)}")
     gm = _symbolic_trace(model)
     meta_module = gm if _on_meta(gm) else _meta_copy(gm)
     probe = _Probe(meta_module, cost_model)
     with torch.enable_grad():
-        probe.run(example_input.to("meta").requires_grad_(False))
-    return probe.result(gm)
+        output = probe.run(example_input.to("meta").requires_grad_(False))
+    traced = probe.result(gm)
+    if loss_fn is None:
+        return traced
+    graph = traced.graph.replace(loss_bytes=_loss_bytes(output, loss_fn))
+    return dataclasses.replace(traced, graph=graph)
+
+
+def _loss_bytes(output, loss_fn) -> int:
+    """The peak the loss and its backward reach on meta, less the outputs and their gradients (the
+    simulator holds those as the outputs' own)."""
+    from harness.measure import MemoryTracker
+
+    leaves = []
+
+    def leaf(t):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            leaves.append(t.detach().requires_grad_())
+            return leaves[-1]
+        return t
+
+    output = tree_map(leaf, output)
+    with torch.enable_grad(), MemoryTracker(torch.nn.Module(), tuple(leaves)) as tracker:  # outputs counted
+        loss = loss_fn(output)
+        torch.autograd.grad(loss, leaves, allow_unused=True)
+    return max(0, tracker.peak_bytes - 2 * sum(t.untyped_storage().nbytes() for t in leaves))
 
 
 def _meta_copy(module: fx.GraphModule) -> fx.GraphModule:

@@ -77,7 +77,9 @@ class Graph:
     path of the module that computed ``v`` (``"layer1.0.conv1"``), when the graph was traced; strategies
     that follow a net's own blocks read it. ``flops[v]`` counts the floating-point operations of ``v``'s
     forward computation (traced graphs; hand-written ones default to ``cost``), for strategies that need
-    times rather than cost units (``swap``).
+    times rather than cost units (``swap``). ``loss_bytes`` is what the loss holds while it and its
+    backward run, besides the outputs and their gradients (a language model's log-softmax over the
+    vocabulary), measured when the graph was traced with its loss; zero otherwise.
     """
 
     mem_bytes: tuple[int, ...]
@@ -90,6 +92,7 @@ class Graph:
     param_bytes: tuple[int, ...] | None = None
     scopes: tuple[str, ...] | None = None
     flops: tuple[float, ...] | None = None
+    loss_bytes: int = 0
     preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     pred_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -99,7 +102,7 @@ class Graph:
     succ_words: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __init__(self, mem_bytes, cost, edges, names=None, kinds=None, backward_reads=None,
-                 saved_extra_bytes=None, param_bytes=None, scopes=None, flops=None):
+                 saved_extra_bytes=None, param_bytes=None, scopes=None, flops=None, loss_bytes=0):
         n = len(mem_bytes)
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
         put("mem_bytes", tuple(int(m) for m in mem_bytes))
@@ -134,7 +137,10 @@ class Graph:
         put("param_bytes", tuple(int(b) for b in params))
         put("scopes", tuple(str(x) for x in scopes) if scopes is not None else tuple("" for _ in range(n)))
         put("flops", tuple(float(f) for f in flops) if flops is not None else self.cost)
+        put("loss_bytes", int(loss_bytes))
         _validate_backward(self)
+        if self.loss_bytes < 0:
+            raise ValueError(f"Graph: loss_bytes must not be negative, got {self.loss_bytes}")
 
     def __len__(self) -> int:
         return len(self.mem_bytes)
@@ -173,6 +179,12 @@ class Graph:
     def reaches(self, u: int, v: int) -> bool:
         """True when there is a path ``u -> ... -> v`` (or ``u == v``)."""
         return bool(self.ancestor_mask[v] >> u & 1)
+
+    def replace(self, **fields) -> Graph:
+        """A copy with some fields changed (the constructor's arguments)."""
+        names = ("mem_bytes", "cost", "edges", "names", "kinds", "backward_reads", "saved_extra_bytes",
+                 "param_bytes", "scopes", "flops", "loss_bytes")
+        return Graph(**{name: fields.get(name, getattr(self, name)) for name in names})
 
     def mem(self, nodes: int) -> int:
         return sum(map(self.mem_bytes.__getitem__, members(nodes)))

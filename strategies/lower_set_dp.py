@@ -42,7 +42,7 @@ import numpy as np
 from strategies import dp_kernels as kernels
 from strategies.graph import Graph, bitset
 from strategies.plan import InfeasibleBudget, Plan
-from strategies.simulate import equation_2_peak
+from strategies.simulate import dp_view, equation_2_peak
 
 MODES = ("tc", "mc")
 
@@ -52,6 +52,9 @@ class Options:
     """Options of both DPs."""
 
     mode: str = "tc"  # tc: least overhead within the budget; mc: most overhead within it (seed 004, 4.4)
+    # traced: equation (2) counts each value with what its layer saves besides it, and the loss in the last
+    # stage; paper: seed 004's, values alone (NOTE [what equation (2) counts] in simulate.py)
+    memory_model: str = "traced"
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,8 @@ class Table:
 
 
 def prepare(graph: Graph, words: np.ndarray) -> Table:
+    """The family ``words`` on ``graph`` (a ``simulate.dp_view``: its node sizes and loss are what the DP
+    counts)."""
     n = len(graph)
     node_mem = np.array(graph.mem_bytes, dtype=np.float64)
     node_time = np.array(graph.cost, dtype=np.float64)
@@ -81,6 +86,7 @@ def prepare(graph: Graph, words: np.ndarray) -> Table:
     words, boundary, maximal = words[order], boundary[order], maximal[order]
     values = np.asfortranarray(values[order])  # the kernels read a column over many sets at a time
     assert not words[0].any() and bitset(words[-1]) == graph.all_nodes, "bug: a family runs from ∅ to V"
+    values[-1, kernels.KEY] += graph.loss_bytes  # the stage that ends at V holds the loss's buffers too
     sets = (boundary, values, *kernels.rows(maximal, n), kernels.transpose(words, n),
             kernels.transpose(boundary, n), node_mem, node_time)
     return Table(words=words, sets=sets)
@@ -164,13 +170,14 @@ def best_chain(table: Table, budget: float, mode: str) -> list[int] | None:
 
 
 def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode: str, strategy: str,
-                 upper_bytes: int | None = None) -> Plan:
+                 upper_bytes: int | None = None, memory_model: str = "traced") -> Plan:
     """A plan from the best chain of the family ``words`` (see the module note); ``None`` means the
     minimal budget. ``upper_bytes``, a budget known to be feasible, prunes the search for the minimal one."""
     if mode not in MODES:
         raise ValueError(f"{strategy}: unknown mode {mode!r}; valid modes: tc (time-centric, least overhead), "
                          "mc (memory-centric, most overhead)")
-    table = prepare(graph, words)
+    counted = dp_view(graph, memory_model)
+    table = prepare(counted, words)
     param_grads = sum(graph.param_bytes)  # simulate(liveness=False) adds these; the DP's budget leaves them out
     upper = None if upper_bytes is None else upper_bytes - param_grads
     if budget_bytes is None:
@@ -183,7 +190,8 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
         raise InfeasibleBudget(budget_bytes, int(minimal_budget(table, upper)) + param_grads, strategy)
     plan = Plan.from_chain(graph, [bitset(table.words[i]) for i in chain], strategy=strategy,
                            budget_bytes=budget_bytes)
-    assert equation_2_peak(graph, plan) <= budget, "bug: the DP's chain exceeds its budget"
+    assert equation_2_peak(counted, plan) <= budget, "bug: the DP's chain exceeds its budget"
+    plan.info["memory_model"] = memory_model
     return plan
 
 

@@ -9,6 +9,19 @@ cache (``vanilla`` keeps everything) term (i) is the kept memory of the earlier 
 hand-written graphs) are added as a constant, so the two models count the same things; what layers save
 besides node values (``saved_extra_bytes``) is not in the paper's model and not in this one.
 
+NOTE [what equation (2) counts]
+Seed 004 sizes a node by its value alone. A traced layer holds more: what its backward saves besides node
+values (``saved_extra_bytes``: an attention's weights and dropout mask, pooling indices, the input an
+in-place op saves), from its forward (or recomputation) to its backward, exactly as long as the value a
+recomputation would rebuild; and the loss holds its own buffers (a language model's log-softmax over the
+vocabulary, ``loss_bytes``) while the last stage's values are live. The DPs' ``memory_model=traced``
+(default) runs equation (2) on ``dp_view(graph, "traced")``: each node sized by its value plus what its
+layer saves, and the loss's buffers in the last stage's peak; ``memory_model=paper`` is seed 004's, values
+alone (Table 2 and the paper's own graphs, which record neither, are the same under both). Counted this
+way, the DP sees that recomputing an attention layer's stage brings back its weights, and that what it
+keeps until the loss runs is held beside the loss's buffers (on ViT-B/16 and GPT-2 its plans were worse
+than one checkpoint per block without it).
+
 ``liveness=True`` replays the step the executor (``harness.execute``) really runs, value by value, and
 frees every value and gradient right after its last use (seed 004's liveness pass, which is also what
 PyTorch's reference-counted autograd does):
@@ -18,6 +31,8 @@ PyTorch's reference-counted autograd does):
   of a discarded successor);
 - what a layer's backward saves besides node values (``saved_extra_bytes``: pooling indices) lives from
   the layer's forward to its backward, or, for a recomputed layer, from its recomputation;
+- the loss's own buffers (``loss_bytes``) live while the outputs' gradients are made, at the turn from
+  forward to backward;
 - backward, in the reverse of that order (the autograd engine's): the first backward of a stage that
   needs a discarded value recomputes all the discarded values of that stage, from the kept ones; each
   backward allocates the gradients of its inputs and its parameters, then frees its output's gradient,
@@ -71,7 +86,7 @@ def simulate(graph: Graph, plan: Plan, liveness: bool = True) -> Prediction:
     if liveness:
         peak = peak_of(timeline(graph, plan))
     else:
-        peak = equation_2_peak(graph, plan) + sum(graph.param_bytes)
+        peak = equation_2_peak(dp_view(graph, "paper"), plan) + sum(graph.param_bytes)
     return Prediction(peak_bytes=peak, overhead_cost=overhead, liveness=liveness,
                       host_bytes=graph.mem(plan.swapped))
 
@@ -121,12 +136,38 @@ def peak_of(steps: list[Step]) -> int:
 
 
 def equation_2_peak(graph: Graph, plan: Plan) -> int:
+    """Equation (2) on ``graph``'s node sizes; the last stage, which holds the output while the loss runs,
+    also holds ``graph.loss_bytes`` (zero in seed 004's model: ``dp_view``)."""
     peak, cached_before = 0, 0  # term (i): the kept values of the stages before; swapped ones are on the host
-    for stage, (lower, later) in zip(plan.stages, graph.frontiers(plan.stages)):  # later: δ⁺(L_i) \ L_i
+    last = len(plan.stages) - 1
+    for i, (stage, (lower, later)) in enumerate(zip(plan.stages, graph.frontiers(plan.stages))):  # later: δ⁺(L_i) \ L_i
         others = graph.in_neighbours(later) & ~lower  # δ⁻(δ⁺(L_i) \ L_i) \ L_i
-        peak = max(peak, cached_before + 2 * graph.mem(stage) + graph.mem(later) + graph.mem(others))
+        loss = graph.loss_bytes if i == last else 0
+        peak = max(peak, cached_before + 2 * graph.mem(stage) + graph.mem(later) + graph.mem(others) + loss)
         cached_before += graph.mem(plan.kept & ~plan.swapped & stage)
     return peak
+
+
+MEMORY_MODELS = ("traced", "paper")
+
+
+def dp_peak(graph: Graph, plan: Plan) -> int:
+    """The peak a DP's plan was judged by: equation (2) on its ``memory_model``'s sizes, parameter
+    gradients added as ``simulate`` adds them."""
+    return equation_2_peak(dp_view(graph, plan.info["memory_model"]), plan) + sum(graph.param_bytes)
+
+
+def dp_view(graph: Graph, memory_model: str) -> Graph:
+    """The graph whose node sizes equation (2) counts (NOTE [what equation (2) counts]): ``paper``, seed
+    004's, each node's value alone and no loss; ``traced``, each node's value with what its layer saves
+    besides node values, and the loss's working set in the last stage."""
+    if memory_model == "paper":
+        return graph.replace(loss_bytes=0) if graph.loss_bytes else graph
+    if memory_model == "traced":
+        if not any(graph.saved_extra_bytes):
+            return graph
+        return graph.replace(mem_bytes=[m + e for m, e in zip(graph.mem_bytes, graph.saved_extra_bytes)])
+    raise ValueError(f"unknown memory_model {memory_model!r}; valid: {', '.join(MEMORY_MODELS)}")
 
 
 def timeline(graph: Graph, plan: Plan) -> list[Step]:
@@ -199,9 +240,11 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
         return [(("value", u), graph.mem_bytes[u]) for u in fetched_at.get(trigger, ())]
 
     sinks = [v for v in range(n) if not graph.succs[v]]
-    for v in sinks:  # the loss's gradient with respect to each output
+    for v in sinks:  # the loss's gradient with respect to each output, while the loss's own buffers live
         grad_live[v] = True
-    steps.append(Step(-1, "backward", tuple([*fetch(-1), *((("grad", v), graph.mem_bytes[v]) for v in sinks)]), ()))
+    loss = [(("loss", -1), graph.loss_bytes)] if graph.loss_bytes else []
+    steps.append(Step(-1, "backward", tuple([*fetch(-1), *((("grad", v), graph.mem_bytes[v]) for v in sinks), *loss]),
+                      tuple(key for key, _ in loss)))
     recomputed = set()
     extras_present = [bool(graph.saved_extra_bytes[v] and plan.kept >> v & 1) for v in range(n)]
     for v in reversed(order):

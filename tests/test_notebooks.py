@@ -33,3 +33,22 @@ def test_notebooks_read_rows_only_through_load_results():
     for path in NOTEBOOKS:
         source = "\n".join(cell.source for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code")
         assert "load_results(" in source and "json" not in source and "read_csv" not in source
+
+
+def test_a_folder_without_rows_is_said_so(tmp_path, monkeypatch):
+    from nbclient.exceptions import CellExecutionError
+
+    monkeypatch.setenv("RESULTS_ROWS", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    path = ROOT / "notebooks" / "tradeoffs.ipynb"
+    client = NotebookClient(nbformat.read(path, as_version=4), timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    with pytest.raises(CellExecutionError, match="no result rows under"):
+        client.execute()
+
+
+def test_notebooks_are_committed_with_their_plots():
+    """A reader sees the curves on GitHub without running anything (CI still runs them, above)."""
+    for path in NOTEBOOKS:
+        code = [cell for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code"]
+        assert sum("image/png" in out.get("data", {}) for cell in code for out in cell.outputs) >= 2, path.name
