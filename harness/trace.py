@@ -133,15 +133,14 @@ def _why_untraceable(model: torch.nn.Module, error: Exception) -> str:
     """The module (its path in ``model``) and the construct torch.fx stopped at, and where in the code."""
     paths = {id(m): path for path, m in model.named_modules()}
     module, where = None, ""
-    for frame, line in traceback.walk_tb(error.__traceback__):
-        if "/torch/" in frame.f_code.co_filename:
+    frames = zip(traceback.walk_tb(error.__traceback__), traceback.extract_tb(error.__traceback__))
+    for (frame, _), summary in frames:
+        if "/torch/" in summary.filename:
             continue
         owner = frame.f_locals.get("self")
         if isinstance(owner, torch.nn.Module) and id(owner) in paths:
             module = f"module {paths[id(owner)] or '(the model itself)'!r} ({type(owner).__name__})"
-        source = traceback.extract_tb(error.__traceback__)
-        code = next((f.line for f in reversed(source) if f.filename == frame.f_code.co_filename and f.lineno == line), "")
-        where = f" at {frame.f_code.co_filename}:{line}" + (f" ({code})" if code else "")
+        where = f" at {summary.filename}:{summary.lineno}" + (f" ({summary.line})" if summary.line else "")
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     construct = next((what for key, what in _CONSTRUCTS if key in text), f"{type(error).__name__}: {text}")
     return (f"torch.fx cannot trace {type(model).__name__}: {construct}, in {module or 'the model'}{where}. Make "

@@ -294,3 +294,24 @@ def test_draws_keep_program_order_when_stages_reorder_the_forward():
     assert {"dropout", "dropout_1"} <= traced.random_nodes
     difference = compare(model, x, loss_fn, lambda: execute(traced, plan, x, loss_fn=loss_fn))
     assert difference.exact, difference
+
+
+def test_the_loss_buffers_are_counted():
+    """A language model's loss holds a log-softmax over the vocabulary and its gradient: traced with its
+    loss, the graph carries them (``loss_bytes``) and the prediction meets the measurement; without, the
+    prediction falls short by about that much."""
+    from harness.measure import measure
+    from harness.run import fixed_bytes
+
+    model, tokens, loss_fn = nets.build("gpt2")  # on meta, at its size: the loss is the step's peak
+    traced = trace(model, tokens, loss_fn=loss_fn)
+    logits = 8 * 1024 * 50257 * 4
+    assert traced.graph.loss_bytes >= 2 * logits  # the log-softmax and its gradient at least
+    blind = trace(model, tokens).graph
+    for name, options in (("vanilla", {}), ("approx_dp", {"mode": "mc"})):
+        plan = strategies.solve(name, traced.graph, **options)
+        measured = measure(lambda: execute(traced, plan, tokens, loss_fn=loss_fn), model, (tokens,), "meta", 0,
+                           0).peak_bytes
+        predicted = strategies.simulate(traced.graph, plan).peak_bytes + fixed_bytes(model, tokens)
+        assert abs(measured - predicted) <= 0.01 * measured, (name, measured, predicted)
+        assert strategies.simulate(blind, plan).peak_bytes + fixed_bytes(model, tokens) < measured - logits
