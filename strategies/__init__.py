@@ -4,9 +4,10 @@
 lists the names. Each strategy is one module here with one public function,
 ``solve(graph, budget_bytes, *, options=None) -> Plan``, and a frozen ``Options`` dataclass; adding one is
 a new module, a line in ``_MODULES`` and a config under ``configs/strategy/``. Each module also says, in
-``BUDGET_LIVENESS``, which of the simulator's two memory models its budget is judged by: the DPs use seed
-004's equation (2) (``liveness=False``), the model they optimise; strategies with no choice to make use the
-liveness replay, which is how the real step frees.
+``BUDGET_LIVENESS``, which of the simulator's two memory models its budget is judged by: every strategy but
+the ILP uses the liveness replay, which is how the real step frees (the DPs optimise equation (2) and
+search its budget for the loosest plan whose replay fits; with ``memory_model=paper`` they are judged by
+equation (2), as seed 004 ran them).
 """
 
 from __future__ import annotations

@@ -27,6 +27,15 @@ the same forward pass with states (peak so far, cache), below a known feasible b
 the exact DP the approximate DP's minimum, often the answer itself, which one cheap pass then proves),
 once feasibility passes have narrowed the range.
 
+NOTE [judging a DP's budget]
+Equation (2) is the DP's objective's memory term, not what the step holds: it counts a stage's values and
+gradients whole, with no liveness within the stage. Under ``memory_model=traced`` (default) a budget
+means what it means for every other strategy, the liveness replay's peak (``simulate``; parameter
+gradients included): the minimal budget the DP reports is the replay of its plan at equation (2)'s
+minimum, and within a given budget the DP searches, by bisection on equation (2)'s budget, for the
+loosest one whose plan's replay fits (tc: the least overhead; mc: the most), about ten DP passes.
+Under ``memory_model=paper`` the budget is equation (2)'s, as seed 004 ran it (Table 2).
+
 The passes are compiled with numba (``dp_kernels.py``): sets are rows of 64-bit words there, and Python
 ints (bitsets) everywhere else. The two passes over every transition (least cache, backward) use every
 core numba may (``NUMBA_NUM_THREADS``); their results do not depend on how many.
@@ -42,7 +51,7 @@ import numpy as np
 from strategies import dp_kernels as kernels
 from strategies.graph import Graph, bitset
 from strategies.plan import InfeasibleBudget, Plan
-from strategies.simulate import dp_view, equation_2_peak
+from strategies.simulate import dp_view, equation_2_peak, simulate
 
 MODES = ("tc", "mc")
 
@@ -171,28 +180,58 @@ def best_chain(table: Table, budget: float, mode: str) -> list[int] | None:
 
 def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode: str, strategy: str,
                  upper_bytes: int | None = None, memory_model: str = "traced") -> Plan:
-    """A plan from the best chain of the family ``words`` (see the module note); ``None`` means the
-    minimal budget. ``upper_bytes``, a budget known to be feasible, prunes the search for the minimal one."""
+    """A plan from the best chain of the family ``words`` (see the module note and NOTE [judging a DP's
+    budget]); ``None`` means the minimal budget. ``upper_bytes``, a budget known to be feasible (equation
+    (2)), prunes the search for the minimal one."""
     if mode not in MODES:
         raise ValueError(f"{strategy}: unknown mode {mode!r}; valid modes: tc (time-centric, least overhead), "
                          "mc (memory-centric, most overhead)")
     counted = dp_view(graph, memory_model)
     table = prepare(counted, words)
-    param_grads = sum(graph.param_bytes)  # simulate(liveness=False) adds these; the DP's budget leaves them out
+    param_grads = sum(graph.param_bytes)  # simulate adds these; the DP's budget leaves them out
     upper = None if upper_bytes is None else upper_bytes - param_grads
-    if budget_bytes is None:
-        budget = minimal_budget(table, upper)
-        chain = best_chain(table, budget, mode)
-    else:
-        budget = budget_bytes - param_grads
+
+    def plan_within(budget: float) -> Plan | None:
         chain = best_chain(table, budget, mode) if budget >= 0 else None
-    if chain is None:
-        raise InfeasibleBudget(budget_bytes, int(minimal_budget(table, upper)) + param_grads, strategy)
-    plan = Plan.from_chain(graph, [bitset(table.words[i]) for i in chain], strategy=strategy,
-                           budget_bytes=budget_bytes)
-    assert equation_2_peak(counted, plan) <= budget, "bug: the DP's chain exceeds its budget"
-    plan.info["memory_model"] = memory_model
-    return plan
+        if chain is None:
+            return None
+        plan = Plan.from_chain(graph, [bitset(table.words[i]) for i in chain], strategy=strategy,
+                               budget_bytes=budget_bytes, info={"memory_model": memory_model})
+        assert equation_2_peak(counted, plan) <= budget, "bug: the DP's chain exceeds its budget"
+        return plan
+
+    if memory_model == "paper":  # seed 004's: the budget is equation (2)'s
+        if budget_bytes is None:
+            return plan_within(minimal_budget(table, upper))
+        plan = plan_within(budget_bytes - param_grads)
+        if plan is None:
+            raise InfeasibleBudget(budget_bytes, int(minimal_budget(table, upper)) + param_grads, strategy)
+        return plan
+    least = minimal_budget(table, upper)
+    plan = plan_within(least)
+    if budget_bytes is None:
+        return plan
+    peak = simulate(graph, plan).peak_bytes
+    if peak > budget_bytes:
+        raise InfeasibleBudget(budget_bytes, peak, strategy)
+    return _loosest_within(plan_within, least, float(table.values[-1, kernels.KEY]), budget_bytes, graph) or plan
+
+
+def _loosest_within(plan_within, low: float, high: float, budget_bytes: int, graph: Graph) -> Plan | None:
+    """The plan of the largest equation (2) budget in [low, high] whose replay fits ``budget_bytes``,
+    by bisection to 0.5% (``low``'s fits). None when only ``low``'s does."""
+    best = None
+    top = plan_within(high)
+    if simulate(graph, top).peak_bytes <= budget_bytes:
+        return top
+    while high - low > max(1.0, 0.005 * high):
+        middle = float((low + high) // 2)
+        plan = plan_within(middle)
+        if simulate(graph, plan).peak_bytes <= budget_bytes:
+            low, best = middle, plan
+        else:
+            high = middle
+    return best
 
 
 __all__ = ["MODES", "Options", "best_chain", "minimal_budget", "prepare", "solve_family"]
