@@ -31,9 +31,12 @@ NOTE [judging a DP's budget]
 Equation (2) is the DP's objective's memory term, not what the step holds: it counts a stage's values and
 gradients whole, with no liveness within the stage. Under ``memory_model=traced`` (default) a budget
 means what it means for every other strategy, the liveness replay's peak (``simulate``; parameter
-gradients included): the minimal budget the DP reports is the replay of its plan at equation (2)'s
-minimum, and within a given budget the DP searches, by bisection on equation (2)'s budget, for the
-loosest one whose plan's replay fits (tc: the least overhead; mc: the most), about ten DP passes.
+gradients included): the minimal plan is the lower, by the replay, of the plans at equation (2)'s
+minimum on the traced count and on seed 004's (each count is a proxy; on ResNet-50 and PSPNet seed
+004's gives the lower replay, on GoogLeNet, VGG-19 and the transformers the traced one), and the minimal
+budget the DP reports is its replay; within a given budget the DP searches, by bisection on equation
+(2)'s budget, for the loosest one whose plan's replay fits (tc: the least overhead; mc: the most), about
+ten DP passes.
 Under ``memory_model=paper`` the budget is equation (2)'s, as seed 004 ran it (Table 2).
 
 The passes are compiled with numba (``dp_kernels.py``): sets are rows of 64-bit words there, and Python
@@ -210,11 +213,25 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
     least = minimal_budget(table, upper)
     plan = plan_within(least)
     if budget_bytes is None:
-        return plan
+        return _better_by_replay(graph, plan, words, mode, strategy, counted)
     peak = simulate(graph, plan).peak_bytes
     if peak > budget_bytes:
         raise InfeasibleBudget(budget_bytes, peak, strategy)
     return _loosest_within(plan_within, least, float(table.values[-1, kernels.KEY]), budget_bytes, graph) or plan
+
+
+def _better_by_replay(graph: Graph, plan: Plan, words: np.ndarray, mode: str, strategy: str, counted: Graph) -> Plan:
+    """Of the minimal plans on the traced count and on seed 004's, the one whose replay peaks lower: each
+    count is only a proxy for the replay, and neither is always the better one (NOTE [judging a DP's
+    budget])."""
+    if counted is graph and not graph.loss_bytes:  # nothing traced to count: the two are one
+        return plan
+    paper = solve_family(graph, words, None, mode, strategy, memory_model="paper")
+    if simulate(graph, paper).peak_bytes < simulate(graph, plan).peak_bytes:
+        paper.info["memory_model"] = "traced"
+        paper.info["minimal_plan_from"] = "paper"
+        return paper
+    return plan
 
 
 def _loosest_within(plan_within, low: float, high: float, budget_bytes: int, graph: Graph) -> Plan | None:
