@@ -217,9 +217,13 @@ def _run(model: _Model, time_limit_s: float, warm: dict[int, float] | None) -> _
     if status == highspy.HighsModelStatus.kInfeasible:
         return _Outcome("infeasible", None, float("nan"), float("nan"), seconds)
     found = info.primal_solution_status != 0
-    return _Outcome("optimal" if status == highspy.HighsModelStatus.kOptimal else "timeout",
-                    np.array(h.getSolution().col_value) if found else None, float(info.mip_gap),
-                    float(info.mip_dual_bound), seconds)
+    solution = np.array(h.getSolution().col_value) if found else None
+    if found and warm is not None and abs(float(np.dot(model.cost, solution)) - info.objective_function_value) > 1e-6 * max(
+            1.0, abs(info.objective_function_value)):
+        # HiGHS 1.16 hands back the warm start from getSolution, not the incumbent it reports: solve again cold.
+        return _run(model, max(1e-3, time_limit_s - seconds), None)
+    return _Outcome("optimal" if status == highspy.HighsModelStatus.kOptimal else "timeout", solution,
+                    float(info.mip_gap), float(info.mip_dual_bound), seconds)
 
 
 def _computed(solution: np.ndarray, R: dict, size: int) -> tuple[int, ...]:
