@@ -46,6 +46,7 @@ core numba may (``NUMBA_NUM_THREADS``); their results do not depend on how many.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -211,10 +212,10 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
             raise InfeasibleBudget(budget_bytes, int(minimal_budget(table, upper)) + param_grads, strategy)
         return plan
     least = minimal_budget(table, upper)
-    plan = plan_within(least)
+    plan = _better_by_replay(graph, plan_within(least), words, mode, strategy, counted)
     if budget_bytes is None:
-        return _better_by_replay(graph, plan, words, mode, strategy, counted)
-    peak = simulate(graph, plan).peak_bytes
+        return plan
+    peak = simulate(graph, plan).peak_bytes  # the minimum reported: any budget at or above it is met
     if peak > budget_bytes:
         raise InfeasibleBudget(budget_bytes, peak, strategy)
     return _loosest_within(plan_within, least, float(table.values[-1, kernels.KEY]), budget_bytes, graph) or plan
@@ -228,8 +229,8 @@ def _better_by_replay(graph: Graph, plan: Plan, words: np.ndarray, mode: str, st
         return plan
     paper = solve_family(graph, words, None, mode, strategy, memory_model="paper")
     if simulate(graph, paper).peak_bytes < simulate(graph, plan).peak_bytes:
-        paper.info["memory_model"] = "traced"
-        paper.info["minimal_plan_from"] = "paper"
+        paper.info.update(memory_model="traced", minimal_plan_from="paper")
+        paper = dataclasses.replace(paper, budget_bytes=plan.budget_bytes)
         return paper
     return plan
 
