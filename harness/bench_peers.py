@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 import strategies
 from harness import nets, peers
+from harness.peers import PEERS
 from harness.results import load_results
 from harness.run import fixed_bytes
 from harness.trace import trace
@@ -32,7 +33,6 @@ GB = 1e9
 STRATEGIES = [("vanilla", ""), ("liveness_only", ""), ("chen_sqrt", ""), ("chen_greedy", ""),
               ("approx_dp", "tc"), ("approx_dp", "mc"), ("exact_dp", "tc"), ("exact_dp", "mc"),
               ("torch_checkpoint_blocks", ""), ("torch_checkpoint_sequential", ""), ("torch_compile_budget", "")]
-PEERS = ("torch_checkpoint_blocks", "torch_checkpoint_sequential", "torch_compile_budget")
 
 
 def measured_peaks(rows: pd.DataFrame, net: str) -> dict[tuple[str, str], float]:

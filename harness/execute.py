@@ -60,24 +60,21 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
 from harness.measure import on_host
+from harness.nets import sum_loss
 from harness.trace import Traced
 from strategies import Plan, members
 
 
 
-def default_loss(output) -> torch.Tensor:
-    """The sum of every tensor the model returns."""
-    return sum(t.sum() for t in tree_leaves(output) if isinstance(t, torch.Tensor))
-
-
 def execute(traced: Traced, plan: Plan, *inputs: torch.Tensor, loss_fn=None) -> torch.Tensor:
-    """One training step of ``traced`` under ``plan``; returns the (detached) loss."""
+    """One training step of ``traced`` under ``plan``; returns the (detached) loss (``loss_fn`` defaults to
+    the sum of every tensor the model returns)."""
     if plan.schedule is not None:
         raise ValueError(f"execute runs stage plans; {plan.strategy!r} carries a general (R, S) schedule, which "
                          "may recompute a node several times out of the autograd engine's order")
     plan.validate(traced.graph)
     step = _Step(traced, plan)
-    loss_fn = loss_fn or default_loss
+    loss_fn = loss_fn or sum_loss
     try:
         with torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack):
             output = step.forward(inputs)

@@ -330,7 +330,7 @@ def build(name: str, batch_size: int | None = None, image_size: int | None = Non
     net = spec(name, **options)
     batch_size = net.batch_size if batch_size is None else batch_size
     image_size = net.image_size if image_size is None else image_size
-    check_sizes(name, batch_size, image_size, **options)
+    _check_sizes(net, name, batch_size, image_size)
     try:
         with torch.device(device):
             model = net.build_model()
@@ -356,7 +356,10 @@ def structure(name: str, model: nn.Module, **options) -> dict[str, list[str]]:
 
 def check_sizes(name: str, batch_size: int, image_size: int, **options) -> None:
     """Raise ``ValueError`` saying what is valid when net ``name`` cannot take these sizes."""
-    net = spec(name, **options)
+    _check_sizes(spec(name, **options), name, batch_size, image_size)
+
+
+def _check_sizes(net: NetSpec, name: str, batch_size: int, image_size: int) -> None:
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if not net.valid_side(image_size):

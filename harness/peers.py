@@ -42,6 +42,9 @@ from harness.nets import FUNCTIONAL, MODEL_STEPS
 from strategies.torch_checkpoint_sequential import segment_starts
 
 
+PEERS = ("torch_checkpoint_blocks", "torch_checkpoint_sequential", "torch_compile_budget")  # run here
+
+
 def zoo_options(strategy: str, structure: dict[str, list[str]]) -> dict:
     """The options a strategy that follows the net's own layout (a peer) takes from the zoo's ``structure``
     (``nets.structure``: ``blocks``, ``sequence``): those its ``Options`` has a field for."""

@@ -25,6 +25,7 @@ from hydra.experimental.callback import Callback
 
 from harness import nets
 from harness.paper_numbers import K40C_GB, OUT_OF_MEMORY, TABLE1_GB, TABLE2_GB
+from harness.peers import PEERS
 from harness.results import label, load_results, mode_of
 
 GB = 1e9
@@ -213,7 +214,6 @@ def _paper_net_order() -> list[str]:
 
 
 TRANSFORMERS = ("vit_b_16", "gpt2")
-PEERS = ("torch_checkpoint_blocks", "torch_checkpoint_sequential", "torch_compile_budget")
 
 
 def transformers_table(rows: pd.DataFrame) -> pd.DataFrame:
