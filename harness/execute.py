@@ -137,6 +137,7 @@ class _Step:
     needs_grad: dict[str, bool] = field(default_factory=dict)  # fx node -> whether its output required grad
     host_copies: dict[int, tuple[weakref.ref, _HostCopy]] = field(default_factory=dict)  # storage id -> copy
     swapped_groups: dict[int, list[_HostCopy]] = field(default_factory=dict)  # swapped group -> its copies
+    fetch_triggers: dict[int, object] = field(default_factory=dict)  # prefetch trigger group -> its grad_fn
 
     def __post_init__(self):
         graph = self.traced.graph
@@ -210,10 +211,11 @@ class _Step:
                     self.storage_group[id(storage)] = (weakref.ref(storage), g)
             if node.name in self.cached_names.get(g, ()):
                 self.cache[node.name] = value
-            if g in self.fetch_at and node.name == self.traced.members[g][-1]:
-                grad_fn = _first_tensor(value).grad_fn
-                if grad_fn is not None:  # else the tokens fetch when unpacked
-                    grad_fn.register_prehook(lambda grad_outputs, g=g: self._fetch(self.fetch_at[g]))
+            first = _first_tensor(value)
+            if g in self.fetch_at and first._base is None:
+                # The backward of a value starts at its last writer's grad_fn, not at a view's: a view taken
+                # last (U-Net's crop) runs its backward as soon as its reader's has, long before the value's.
+                self.fetch_triggers[g] = first.grad_fn
         self._resolve(node.name if g is not None else None)
 
     def _free_inputs(self, node: fx.Node):
@@ -225,6 +227,9 @@ class _Step:
     def end_forward(self):
         self._resolve()
         self.env.clear()
+        for g, grad_fn in self.fetch_triggers.items():
+            if grad_fn is not None:  # else the tokens fetch when unpacked
+                grad_fn.register_prehook(lambda grad_outputs, g=g: self._fetch(self.fetch_at[g]))
         self._fetch(self.fetch_at.get(-1, ()))
         needed = {self.stage_of[g] for g, count in self.tokens_left.items() if count}
         for g in list(self.cache_stages):

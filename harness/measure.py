@@ -18,6 +18,18 @@ NOTE [measurement protocol]
   allocator's figures so that their agreement shows. Only ``torch.cuda.OutOfMemoryError`` is caught
   (the caller turns it into an ``oom`` row). Run one measurement per process, one at a time per GPU.
 Every step starts with the parameters' gradients set to None, so a step never sees the last one's.
+
+NOTE [the tracker and gradient accumulation]
+A value read by several layers gets its gradient summed by the autograd engine. Without a Python dispatch
+mode the engine sums in place into a contribution it holds the last reference to (``InputBuffer``'s
+``accumulate``: ``old.add_(new)``), so the sum costs nothing; with any mode active, the tracker's
+included, every tensor counts as subclass-like and the engine sums out of place (``old + new``), one
+gradient more at that moment than the device will ever hold (on PSPNet, whose encoder output feeds
+five branches, +20% on a swap plan). The tracker puts the device's behaviour back: an ``add`` in the
+backward pass (a current autograd node, grad mode off) whose result is the size of an operand is counted
+only at the next op, and by then, if the engine held the operand's last reference, that operand has
+been freed, as the in-place sum would have reused it. A sum whose operands both live on is counted as
+an allocation, as on the device.
 """
 
 from __future__ import annotations
@@ -78,6 +90,7 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_parts = dict(self.current)
         self.host_peak_bytes = 0
         self._hooks = []
+        self._sum: tuple | None = None  # (storage ref, part) of a gradient sum not yet counted
         for t in list(model.parameters()) + list(model.buffers()):
             self._add(t.untyped_storage(), "params")
         for t in inputs:
@@ -104,8 +117,17 @@ class MemoryTracker(TorchDispatchMode):
         size, part = self.live.pop(key)
         self.current[part] -= size
 
+    def _count_sum(self):
+        """Count the gradient sum put off by NOTE [the tracker and gradient accumulation]."""
+        if self._sum is not None:
+            ref, part = self._sum
+            self._sum = None
+            if ref() is not None:
+                self._add(ref(), part)
+
     def mark_grad(self, param: torch.Tensor):
         """Count ``param.grad`` as a gradient (a hook calls it; so does code that sets ``.grad`` itself)."""
+        self._count_sum()
         storage = param.grad.untyped_storage()
         entry = self.live.get(id(storage))
         if entry is None:
@@ -116,16 +138,31 @@ class MemoryTracker(TorchDispatchMode):
             self.live[id(storage)] = (entry[0], "grads")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._count_sum()
         out = func(*args, **(kwargs or {}))
+        part = "host" if getattr(_placement, "host", 0) else "activations"
+        if func is torch.ops.aten.add.Tensor and _is_gradient_sum(out, args):
+            self._sum = (weakref.ref(out.untyped_storage()), part)
+            return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._add(t.untyped_storage(), "host" if getattr(_placement, "host", 0) else "activations")
+                self._add(t.untyped_storage(), part)
         return out
 
     def __exit__(self, *exc):
+        self._count_sum()
         for hook in self._hooks:
             hook.remove()
         return super().__exit__(*exc)
+
+
+def _is_gradient_sum(out, args) -> bool:
+    """An ``add`` the autograd engine may run in place on the device (NOTE [the tracker and gradient
+    accumulation])."""
+    if torch.is_grad_enabled() or torch._C._current_autograd_node() is None:
+        return False
+    size = out.untyped_storage().nbytes()
+    return any(isinstance(a, torch.Tensor) and a.untyped_storage().nbytes() == size for a in args[:2])
 
 
 def measure(step: Callable[[], object], model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], device: str,

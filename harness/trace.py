@@ -73,11 +73,83 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
     probe = _Probe(meta_module, cost_model)
     with torch.enable_grad():
         output = probe.run(example_input.to("meta").requires_grad_(False))
-    traced = probe.result(gm)
+    traced = probe.result(gm, *_gradients(probe, output, loss_fn))
     if loss_fn is None:
         return traced
     graph = traced.graph.replace(loss_bytes=_loss_bytes(output, loss_fn))
     return dataclasses.replace(traced, graph=graph)
+
+
+def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict]:
+    """What each IR node's backward hands its predecessors (``Graph.grad_shares``) and the gradients it
+    works with on the way (``Graph.backward_work_bytes``), seen in a backward pass on meta: per autograd
+    node of the node's layer, the gradients it reads and makes, compared by storage with the gradient the
+    layer received and with those it passes to another IR node's autograd nodes."""
+    leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    if not leaves:
+        return {}, {}
+    received: dict[int, set[int]] = {}  # probe group -> storages of the gradient its backward started from
+    handed: list[tuple[int, int, object, int]] = []  # (group, predecessor group, its autograd node, storage)
+    through: dict[tuple[object, int], int] = {}  # (view's autograd node, storage in) -> storage out
+    working: list[tuple[int, set[int]]] = []  # per autograd node run: its group, the gradients it reads and makes
+    sizes: dict[int, int] = {}
+    held = []  # the gradients stay alive, so that no storage address is reused while we compare
+
+    def post_hook(fn, g):
+        def hook(grad_inputs, grad_outputs):
+            held.extend(t for t in (*grad_inputs, *grad_outputs) if t is not None)
+            for t in (*grad_inputs, *grad_outputs):
+                if t is not None:
+                    sizes[_storage(t)._cdata] = _storage(t).nbytes()
+            if fn in probe.view_nodes:  # what a view's backward makes is the storage's gradient, received
+                if grad_inputs and grad_inputs[0] is not None and grad_outputs[0] is not None:
+                    through[(fn, _storage(grad_outputs[0])._cdata)] = _storage(grad_inputs[0])._cdata
+                return
+            if _to_parameters(fn):  # a parameter's gradient on its way
+                return
+            received.setdefault(g, {_storage(t)._cdata for t in grad_outputs if t is not None})
+            inner = {_storage(t)._cdata for t in grad_outputs if t is not None}
+            for (target, _), grad in zip(fn.next_functions, grad_inputs):
+                h = probe.autograd_group.get(target)
+                if grad is not None and h is not None and h != g:
+                    handed.append((g, h, target, _storage(grad)._cdata))
+                elif grad is not None and h == g and not _to_parameters(target):
+                    inner.add(_storage(grad)._cdata)
+            working.append((g, inner))
+        return hook
+
+    handles = [fn.register_hook(post_hook(fn, g)) for fn, g in probe.autograd_group.items()]
+    try:
+        with torch.enable_grad():
+            loss = loss_fn(output) if loss_fn is not None else sum(t.float().sum() for t in leaves)
+        torch.autograd.backward(loss)
+    finally:
+        for handle in handles:
+            handle.remove()
+    passed: dict[tuple[int, int], set[int]] = {}  # (group, predecessor group) -> storages its gradient is in
+    for g, h, target, key in handed:
+        while target in probe.view_nodes:  # through the views' backward to the storage's own gradient
+            key = through.get((target, key), key)
+            target = target.next_functions[0][0] if target.next_functions else None
+        passed.setdefault((g, h), set()).add(key)
+    # A layer's working gradients: those its autograd nodes pass among themselves (an in-place ReLU's, on
+    # its way to the convolution before it), beside the one it received and those it hands on.
+    outside: dict[int, set[int]] = {}
+    for g, _, _, key in handed:
+        outside.setdefault(g, set()).add(key)
+    work: dict[int, int] = {}
+    for g, inner in working:
+        own = inner - received.get(g, set()) - outside.get(g, set())
+        work[g] = max(work.get(g, 0), sum(sizes[k] for k in own))
+    shares: dict[int, list[tuple[list[int], int]]] = {}
+    for g in {g for g, _ in passed}:
+        by_storage: dict[int, list[int]] = {}
+        for (v, h), storages in passed.items():
+            if v == g and len(storages) == 1:
+                by_storage.setdefault(next(iter(storages)), []).append(h)
+        shares[g] = [(preds, -1 if key in received.get(g, ()) else sizes[key])
+                     for key, preds in by_storage.items() if key in received.get(g, ()) or len(preds) > 1]
+    return shares, work
 
 
 def _loss_bytes(output, loss_fn) -> int:
@@ -98,6 +170,14 @@ def _loss_bytes(output, loss_fn) -> int:
         loss = loss_fn(output)
         torch.autograd.grad(loss, leaves, allow_unused=True)
     return max(0, tracker.peak_bytes - 2 * sum(t.untyped_storage().nbytes() for t in leaves))
+
+
+def _to_parameters(fn, depth: int = 4) -> bool:
+    """Whether an autograd node only passes gradients on to parameters (``weight.t()``'s, in a linear
+    layer), within a few steps: what it is handed is a parameter's gradient, not a working one."""
+    nexts = [f for f, _ in fn.next_functions if f is not None]
+    return depth > 0 and bool(nexts) and all(
+        f.name() == "torch::autograd::AccumulateGrad" or _to_parameters(f, depth - 1) for f in nexts)
 
 
 def _meta_copy(module: fx.GraphModule) -> fx.GraphModule:
@@ -177,6 +257,8 @@ class _Probe(fx.Interpreter):
         self.random_nodes: set[str] = set()
         self.readers: dict[int, dict[int, fx.Node]] = {}  # IR node -> {IR node reading it: first reading fx node}
         self._keep_alive = []  # meta tensors are free; holding them keeps storage ids unique
+        self.autograd_group: dict[object, int] = {}  # autograd node -> the IR node whose layer made it
+        self.view_nodes: set[object] = set()  # autograd nodes of views of an IR node's storage
 
     def _group(self, storage) -> int | None:
         entry = self.group_of_storage.get(id(storage))
@@ -231,6 +313,7 @@ class _Probe(fx.Interpreter):
             return  # no tensor, or a view of an input or parameter: not an IR node
         group = self.groups[g]
         group["members"].append(node)
+        self._claim(outputs, g, view=not new and not wrote_in_place)
         if wrote_in_place:
             group["final"] = node
             others = [reader for h, reader in self.readers.get(g, {}).items() if h != g]
@@ -256,7 +339,21 @@ class _Probe(fx.Interpreter):
                 group["extra"] += _storage(t).nbytes()
         self._keep_alive += saved
 
-    def result(self, gm: fx.GraphModule) -> Traced:
+    def _claim(self, outputs, g: int, view: bool):
+        """Note the autograd nodes this layer call made (those its outputs reach that no earlier call made),
+        and those of a view of the IR node's storage (U-Net's crop), whose backward may build a gradient
+        of the whole storage out of the one it is handed."""
+        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        while stack:
+            fn = stack.pop()
+            if fn in self.autograd_group or fn.name() == "torch::autograd::AccumulateGrad":
+                continue
+            self.autograd_group[fn] = g
+            if view:
+                self.view_nodes.add(fn)
+            stack += [f for f, _ in fn.next_functions if f is not None]
+
+    def result(self, gm: fx.GraphModule, shares: dict | None = None, work: dict | None = None) -> Traced:
         # The probe may run a meta copy of gm: match nodes by name.
         position = {node.name: i for i, node in enumerate(gm.graph.nodes)}
         order = sorted(range(len(self.groups)), key=lambda g: position[self.groups[g]["final"].name])
@@ -280,6 +377,9 @@ class _Probe(fx.Interpreter):
             param_bytes=[g["params"] for g in groups],
             scopes=[_scope(g["final"]) for g in groups],
             flops=[g["flops"] for g in groups],
+            grad_shares=[[(kept, size) for preds, size in (shares or {}).get(g, [])
+                          if (kept := sorted(rank[h] for h in preds if (rank[h], rank[g]) in edges))] for g in order],
+            backward_work_bytes=[(work or {}).get(g, 0) for g in order],
         )
         members = tuple(tuple(node.name for node in g["members"]) for g in groups)
         group_of = {name: i for i, names in enumerate(members) for name in names}

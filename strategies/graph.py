@@ -80,6 +80,15 @@ class Graph:
     times rather than cost units (``swap``). ``loss_bytes`` is what the loss holds while it and its
     backward run, besides the outputs and their gradients (a language model's log-softmax over the
     vocabulary), measured when the graph was traced with its loss; zero otherwise.
+
+    ``grad_shares[v]`` says which predecessors' gradients the backward of ``v`` hands over without a
+    buffer of their own, as pairs ``(preds, nbytes)``: ``nbytes == -1``, they are ``v``'s own incoming
+    gradient (an addition passes it on, a concatenation passes views of it); ``nbytes >= 0``, they share
+    one new buffer of that size (an addition followed by an in-place ReLU). Every other predecessor gets
+    a buffer of its own size, as seed 004 assumes. A traced graph records what autograd really hands over.
+    ``backward_work_bytes[v]`` is the most the backward of ``v``'s layer holds in gradients it passes
+    among its own autograd nodes (an in-place ReLU's gradient on its way to the convolution it follows),
+    beside the gradient it received and those it hands on; zero on hand-written graphs.
     """
 
     mem_bytes: tuple[int, ...]
@@ -93,6 +102,8 @@ class Graph:
     scopes: tuple[str, ...] | None = None
     flops: tuple[float, ...] | None = None
     loss_bytes: int = 0
+    grad_shares: tuple[tuple[tuple[tuple[int, ...], int], ...], ...] | None = None
+    backward_work_bytes: tuple[int, ...] | None = None
     preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     pred_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -102,7 +113,8 @@ class Graph:
     succ_words: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __init__(self, mem_bytes, cost, edges, names=None, kinds=None, backward_reads=None,
-                 saved_extra_bytes=None, param_bytes=None, scopes=None, flops=None, loss_bytes=0):
+                 saved_extra_bytes=None, param_bytes=None, scopes=None, flops=None, loss_bytes=0, grad_shares=None,
+                 backward_work_bytes=None):
         n = len(mem_bytes)
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
         put("mem_bytes", tuple(int(m) for m in mem_bytes))
@@ -138,6 +150,11 @@ class Graph:
         put("scopes", tuple(str(x) for x in scopes) if scopes is not None else tuple("" for _ in range(n)))
         put("flops", tuple(float(f) for f in flops) if flops is not None else self.cost)
         put("loss_bytes", int(loss_bytes))
+        shares = grad_shares if grad_shares is not None else [()] * n
+        put("grad_shares", tuple(tuple((tuple(sorted(int(u) for u in preds)), int(size)) for preds, size in s)
+                                 for s in shares))
+        work = backward_work_bytes if backward_work_bytes is not None else [0] * n
+        put("backward_work_bytes", tuple(int(b) for b in work))
         _validate_backward(self)
         if self.loss_bytes < 0:
             raise ValueError(f"Graph: loss_bytes must not be negative, got {self.loss_bytes}")
@@ -183,7 +200,8 @@ class Graph:
     def replace(self, **fields) -> Graph:
         """A copy with some fields changed (the constructor's arguments)."""
         names = ("mem_bytes", "cost", "edges", "names", "kinds", "backward_reads", "saved_extra_bytes",
-                 "param_bytes", "scopes", "flops", "loss_bytes")
+                 "param_bytes", "scopes", "flops", "loss_bytes", "grad_shares",
+                 "backward_work_bytes")
         return Graph(**{name: fields.get(name, getattr(self, name)) for name in names})
 
     def mem(self, nodes: int) -> int:
@@ -223,6 +241,13 @@ def _validate_backward(graph: Graph) -> None:
             or len(graph.scopes) != n or len(graph.flops) != n):
         raise ValueError("Graph: backward_reads, saved_extra_bytes, param_bytes, scopes and flops need one entry "
                          "per node")
+    if len(graph.grad_shares) != n or len(graph.backward_work_bytes) != n:
+        raise ValueError("Graph: grad_shares and backward_work_bytes need one entry per node")
+    for v, shares in enumerate(graph.grad_shares):
+        shared = [u for preds, _ in shares for u in preds]
+        if len(set(shared)) != len(shared) or not set(shared) <= set(graph.preds[v]):
+            raise ValueError(f"Graph: grad_shares[{v}] must name predecessors of node {v} ({graph.names[v]}), "
+                             f"each at most once; got {shares}")
     for v, reads in enumerate(graph.backward_reads):
         for u in reads:
             if u != v and u not in graph.preds[v]:

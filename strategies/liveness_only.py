@@ -68,13 +68,14 @@ def static_plan_bytes(graph: Graph, steps: list[Step], match_range: int = 16, in
 
     for step in steps:
         in_place = inplace and step.node >= 0 and graph.kinds[step.node] in INPLACE_KINDS
-        if in_place:
-            for key in step.frees:
-                release(key)
+        made = {key for key, _ in step.allocs}
+        early = [key for key in step.frees if key not in made] if in_place else []  # a buffer made here goes after
+        for key in early:
+            release(key)
         for key, size in step.allocs:
             slot_of[key] = _request(size, free, slot_size, match_range)
-        if not in_place:
-            for key in step.frees:
+        for key in step.frees:
+            if key not in early:
                 release(key)
     return sum(slot_size)
 

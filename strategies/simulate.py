@@ -71,8 +71,8 @@ class Step:
 
     node: int
     phase: str  # "forward", "recompute", "swap_in" or "backward"
-    allocs: tuple[tuple[tuple[str, int], int], ...]  # ((kind, node), bytes); kind: value/grad/extra/param_grad
-    frees: tuple[tuple[str, int], ...]
+    allocs: tuple[tuple[tuple, int], ...]  # ((kind, node, ...), bytes); kind: value/grad/shared/sum/extra/...
+    frees: tuple[tuple, ...]
 
 
 def simulate(graph: Graph, plan: Plan, liveness: bool = True) -> Prediction:
@@ -226,7 +226,7 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
             fetched_at.setdefault(trigger, []).append(u)
     readers_left = [len(r) for r in readers]
     stages_left = [set(s) for s in recompute_stages]
-    grad_live = [False] * n
+    gradients = _Gradients(graph)
     steps = []
 
     def release_if_done(u, frees):
@@ -240,44 +240,129 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
         return [(("value", u), graph.mem_bytes[u]) for u in fetched_at.get(trigger, ())]
 
     sinks = [v for v in range(n) if not graph.succs[v]]
-    for v in sinks:  # the loss's gradient with respect to each output, while the loss's own buffers live
-        grad_live[v] = True
+    outputs = []  # the loss's gradient with respect to each output, while the loss's own buffers live
+    for v in sinks:
+        gradients.hold(v, ("grad", v))
+        outputs.append((("grad", v), graph.mem_bytes[v]))
     loss = [(("loss", -1), graph.loss_bytes)] if graph.loss_bytes else []
-    steps.append(Step(-1, "backward", tuple([*fetch(-1), *((("grad", v), graph.mem_bytes[v]) for v in sinks), *loss]),
-                      tuple(key for key, _ in loss)))
+    steps.append(Step(-1, "backward", tuple([*fetch(-1), *outputs, *loss]), tuple(key for key, _ in loss)))
     recomputed = set()
     extras_present = [bool(graph.saved_extra_bytes[v] and plan.kept >> v & 1) for v in range(n)]
+
+    def recompute(stages):
+        for s in sorted(stages - recomputed):
+            recomputed.add(s)
+            steps.extend(_recompute_stage(graph, plan.stages[s] & discarded, s, present, readers_left, stages_left,
+                                          release_if_done))
+            for w in members(plan.stages[s] & discarded):
+                extras_present[w] = bool(graph.saved_extra_bytes[w])
+
     for v in reversed(order):
         fetched = fetch(v)
         if fetched:
             steps.append(Step(v, "swap_in", tuple(fetched), ()))
-        missing = {stage_of[u] for u in graph.backward_reads[v] if not present[u]}
-        assert all(present[u] for u in graph.backward_reads[v] if plan.swapped >> u & 1), \
+        reads = graph.backward_reads[v]
+        work = graph.backward_work_bytes[v]
+        if v in reads and not present[v] and stage_of[v] not in recomputed:
+            recompute({stage_of[v]})
+        if v in reads or work:
+            # A layer's in-place members (a ReLU after its convolution) run their backward first: they
+            # read the value they wrote, and turn the gradient received into a working one. The value's
+            # last reading frees it, and the received gradient goes, before the first member's backward
+            # reads the inputs, which may call for a recomputation.
+            reads = [u for u in reads if u != v]
+            early = []
+            if work:
+                gradients.drop(v, early)
+            if v in graph.backward_reads[v]:
+                readers_left[v] -= 1
+                release_if_done(v, early)
+            if work or early:
+                steps.append(Step(v, "backward", ((("work", v), work),) if work else (), tuple(early)))
+        missing = {stage_of[u] for u in reads if not present[u]}
+        assert all(present[u] for u in reads if plan.swapped >> u & 1), \
             f"simulator: the backward of node {v} reads a swapped value before its prefetch"
         if graph.saved_extra_bytes[v] and not extras_present[v]:
             missing.add(stage_of[v])
-        for s in sorted(missing - recomputed):
-            recomputed.add(s)
-            steps += _recompute_stage(graph, plan.stages[s] & discarded, s, present, readers_left, stages_left,
-                                      release_if_done)
-            for w in members(plan.stages[s] & discarded):
-                extras_present[w] = bool(graph.saved_extra_bytes[w])
-        allocs = [(("grad", u), graph.mem_bytes[u]) for u in graph.preds[v] if not grad_live[u]]
-        for u in graph.preds[v]:
-            grad_live[u] = True
+        recompute(missing)
+        allocs, frees = gradients.backward(v)
         if graph.param_bytes[v]:
             allocs.append((("param_grad", v), graph.param_bytes[v]))
-        frees = [("grad", v)]
+        if work:
+            frees.append(("work", v))
         if extras_present[v]:
             frees.append(("extra", v))
             extras_present[v] = False
-        for u in graph.backward_reads[v]:
+        for u in reads:
             readers_left[u] -= 1
             release_if_done(u, frees)
         steps.append(Step(v, "backward", tuple(allocs), tuple(frees)))
     # Parameter gradients outlive the step (the optimizer reads them); free them at the end for the tally.
     steps.append(Step(-1, "backward", (), tuple(("param_grad", v) for v in range(n) if graph.param_bytes[v])))
     return steps
+
+
+class _Gradients:
+    """Which buffer holds each node's gradient in the backward pass, as the autograd engine hands them on
+    (``Graph.grad_shares``) and sums them (``InputBuffer``'s ``accumulate``): a node's first gradient is
+    the buffer it was handed; a later one is summed in place into the buffer it has when no other node's
+    gradient shares that buffer (the contribution, if new, lives only for the sum), else into the new
+    contribution, else into a new buffer. A buffer goes when no node's gradient is in it any more."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.buffer_of: dict[int, tuple] = {}  # node -> key of the buffer holding its gradient
+        self.holders: dict[tuple, int] = {}  # buffer key -> how many nodes' gradients it holds
+
+    def hold(self, u: int, key: tuple):
+        self.buffer_of[u] = key
+        self.holders[key] = self.holders.get(key, 0) + 1
+
+    def drop(self, u: int, frees: list):
+        key = self.buffer_of.pop(u, None)
+        if key is not None:
+            self.holders[key] -= 1
+            if not self.holders[key]:
+                del self.holders[key]
+                frees.append(key)
+
+    def backward(self, v: int) -> tuple[list, list]:
+        """The backward of ``v``: the buffers it allocates, then those it frees (its own gradient's, unless
+        handed on, and every contribution summed away)."""
+        graph = self.graph
+        handed = {}  # predecessor -> (buffer key, bytes; -1: v's own gradient's buffer)
+        for i, (preds, size) in enumerate(graph.grad_shares[v]):
+            if size < 0 and v not in self.buffer_of:  # the received gradient went to work already
+                continue
+            key = self.buffer_of[v] if size < 0 else ("shared", v, i)
+            handed.update((u, (key, size)) for u in preds)
+        allocs, made = [], set()
+
+        def make(key, size):
+            if key not in made and key not in self.holders:
+                made.add(key)
+                allocs.append((key, size))
+
+        for u in graph.preds[v]:
+            key, size = handed.get(u, (("grad", u, v), graph.mem_bytes[u]))
+            old = self.buffer_of.get(u)
+            if old is None:
+                make(key, size)
+                self.hold(u, key)
+            elif self.holders[old] == 1:  # summed in place into u's buffer; a new contribution lives for the sum
+                make(key, size)
+            else:
+                if key in self.holders:  # neither buffer may be written: the sum is a new one
+                    key = ("sum", u, v)
+                make(key, graph.mem_bytes[u] if key[0] == "sum" else size)
+                frees = []
+                self.drop(u, frees)
+                self.hold(u, key)
+                assert not frees, "simulator bug: a shared gradient buffer freed by a sum"
+        frees = []
+        self.drop(v, frees)
+        frees += [key for key in made if key not in self.holders]
+        return allocs, frees
 
 
 def _recompute_stage(graph, stage_discarded, s, present, readers_left, stages_left, release_if_done):
