@@ -105,7 +105,7 @@ def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict]:
                 if grad_inputs and grad_inputs[0] is not None and grad_outputs[0] is not None:
                     through[(fn, _storage(grad_outputs[0])._cdata)] = _storage(grad_inputs[0])._cdata
                 return
-            if _to_parameters(fn):  # a parameter's gradient on its way
+            if _to_parameters(fn, probe.autograd_group):  # a parameter's gradient on its way
                 return
             received.setdefault(g, {_storage(t)._cdata for t in grad_outputs if t is not None})
             inner = {_storage(t)._cdata for t in grad_outputs if t is not None}
@@ -113,7 +113,7 @@ def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict]:
                 h = probe.autograd_group.get(target)
                 if grad is not None and h is not None and h != g:
                     handed.append((g, h, target, _storage(grad)._cdata))
-                elif grad is not None and h == g and not _to_parameters(target):
+                elif grad is not None and h == g and not _to_parameters(target, probe.autograd_group):
                     inner.add(_storage(grad)._cdata)
             working.append((g, inner))
         return hook
@@ -172,12 +172,14 @@ def _loss_bytes(output, loss_fn) -> int:
     return max(0, tracker.peak_bytes - 2 * sum(t.untyped_storage().nbytes() for t in leaves))
 
 
-def _to_parameters(fn, depth: int = 4) -> bool:
+def _to_parameters(fn, group_of: dict, depth: int = 4) -> bool:
     """Whether an autograd node only passes gradients on to parameters (``weight.t()``'s, in a linear
-    layer), within a few steps: what it is handed is a parameter's gradient, not a working one."""
+    layer), within its own layer and a few steps: what it is handed is a parameter's gradient, not a
+    working one."""
     nexts = [f for f, _ in fn.next_functions if f is not None]
     return depth > 0 and bool(nexts) and all(
-        f.name() == "torch::autograd::AccumulateGrad" or _to_parameters(f, depth - 1) for f in nexts)
+        f.name() == "torch::autograd::AccumulateGrad"
+        or (group_of.get(f) == group_of.get(fn) and _to_parameters(f, group_of, depth - 1)) for f in nexts)
 
 
 def _meta_copy(module: fx.GraphModule) -> fx.GraphModule:

@@ -1,0 +1,111 @@
+"""One accounting (issue 15): the simulator's replay is the step the executor runs, byte for byte on meta."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+from torch import nn
+
+import strategies
+from harness import nets
+from harness.execute import execute
+from harness.measure import measure
+from harness.run import fixed_bytes
+from harness.trace import trace
+
+CORE = [("vanilla", {}), ("liveness_only", {}), ("chen_sqrt", {}), ("chen_greedy", {}),
+        ("approx_dp", {"mode": "tc"}), ("approx_dp", {"mode": "mc"})]
+SIZES = {"unet": (1, 188), "pspnet": (1, 128)}  # net -> (batch, side); others at 2 x 64 x 64
+
+
+def built(net):
+    batch, side = SIZES.get(net, (2, 64))
+    model, x, loss_fn = nets.build(net, batch, side, device="meta")
+    return model, x, loss_fn, trace(model, x, loss_fn=loss_fn)
+
+
+def measured_and_predicted(model, x, loss_fn, traced, plan):
+    measured = measure(lambda: execute(traced, plan, x, loss_fn=loss_fn), model, (x,), "meta").peak_bytes
+    return measured, strategies.simulate(traced.graph, plan).peak_bytes + fixed_bytes(model, x)
+
+
+class TwoReaders(nn.Module):
+    """A value read by two layers, whose gradients the autograd engine sums."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(256, 256)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y.exp() + y.sin()
+
+
+def test_the_tracker_sums_gradients_in_place_as_the_device_does():
+    # Under a dispatch mode the engine sums out of place: one gradient more than the device holds.
+    model, x = TwoReaders().to("meta"), torch.empty(512, 256, device="meta")
+    traced = trace(model, x)
+    plan = strategies.solve("vanilla", traced.graph)
+    measured, predicted = measured_and_predicted(model, x, None, traced, plan)
+    loss_value = 2 * nets.sum_loss(model(x)).untyped_storage().nbytes()  # not yet in the replay (see below)
+    assert predicted <= measured <= predicted + loss_value
+
+
+def test_a_residual_addition_hands_its_gradient_to_both_branches():
+    model, x, loss_fn, traced = built("resnet50")
+    graph = traced.graph
+    block = graph.names.index("layer1_0_relu_2")  # out = relu(bn3(...) + downsample(x))
+    (preds, size), = graph.grad_shares[block]
+    assert sorted(graph.names[u] for u in preds) == ["layer1_0_bn3", "layer1_0_downsample_1"]
+    assert size == graph.mem_bytes[block]  # one new buffer (the ReLU's gradient) for both
+
+
+@pytest.mark.parametrize("net", nets.PAPER_NETS)
+def test_predicted_peak_is_the_measured_one_within_one_percent(net):
+    model, x, loss_fn, traced = built(net)
+    for name, options in CORE:
+        plan = strategies.solve(name, traced.graph, **options)
+        measured, predicted = measured_and_predicted(model, x, loss_fn, traced, plan)
+        assert predicted == pytest.approx(measured, rel=0.01), (name, options, measured, predicted)
+
+
+@pytest.mark.parametrize("net", ["resnet50", "unet", "pspnet"])
+def test_the_minimal_budget_is_the_measured_peak_and_is_accepted(net):
+    model, x, loss_fn, traced = built(net)
+    static = fixed_bytes(model, x)
+    for name in ("approx_dp", "chen_greedy"):
+        with pytest.raises(strategies.InfeasibleBudget) as refused:
+            strategies.solve(name, traced.graph, 1)
+        minimum = refused.value.min_feasible_bytes
+        plan = strategies.solve(name, traced.graph, minimum)  # the least it names is accepted
+        measured, _ = measured_and_predicted(model, x, loss_fn, traced, plan)
+        assert minimum + static == pytest.approx(measured, rel=0.01), (name, minimum + static, measured)
+
+
+@pytest.mark.parametrize("net", ["resnet50", "unet", "googlenet"])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fraction=st.floats(0.0, 1.0))
+def test_a_budgeted_plan_never_measures_above_its_budget(net, fraction):
+    model, x, loss_fn, traced = _cached(net)
+    static = fixed_bytes(model, x)
+    least = strategies.simulate(traced.graph, strategies.solve("approx_dp", traced.graph, mode="mc")).peak_bytes
+    most = strategies.simulate(traced.graph, strategies.solve("vanilla", traced.graph)).peak_bytes
+    budget = int(least + fraction * (most - least))
+    # Not yet in the replay: the loss's value and its seed gradient, which the step holds while the
+    # backward runs (the issue 15 note); sized from the loss itself.
+    loss_value = 2 * (loss_fn or nets.sum_loss)(model(x)).untyped_storage().nbytes()
+    for name in ("approx_dp", "chen_greedy", "swap"):
+        try:
+            plan = strategies.solve(name, traced.graph, budget)
+        except strategies.InfeasibleBudget:
+            continue
+        measured, _ = measured_and_predicted(model, x, loss_fn, traced, plan)
+        assert measured <= budget + static + loss_value, (name, budget + static, measured)
+
+
+_BUILT = {}
+
+
+def _cached(net):
+    if net not in _BUILT:
+        _BUILT[net] = built(net)
+    return _BUILT[net]
