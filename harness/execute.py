@@ -211,10 +211,9 @@ class _Step:
                     self.storage_group[id(storage)] = (weakref.ref(storage), g)
             if node.name in self.cached_names.get(g, ()):
                 self.cache[node.name] = value
-            first = _first_tensor(value)
-            if g in self.fetch_at and first._base is None:
-                # The backward of a value starts at its last writer's grad_fn, not at a view's: a view taken
-                # last (U-Net's crop) runs its backward as soon as its reader's has, long before the value's.
+            # The backward of a value starts at its last writer's grad_fn, not at a view's: a view taken
+            # last (U-Net's crop) runs its backward as soon as its reader's has, long before the value's.
+            if g in self.fetch_at and (first := _first_tensor(value))._base is None:
                 self.fetch_triggers[g] = first.grad_fn
         self._resolve(node.name if g is not None else None)
 

@@ -39,6 +39,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from harness.nets import sum_loss
 from strategies import Graph
 
 COST_MODELS = ("paper", "flops")
@@ -63,9 +64,9 @@ class TraceFailure(RuntimeError):
 
 
 def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str = "paper", loss_fn=None) -> Traced:
-    """Trace ``model`` on ``example_input`` into a ``Traced`` (see NOTE [nodes are storages]); with
-    ``loss_fn``, the graph's ``loss_bytes`` is what the loss holds beside the outputs and their gradients,
-    measured on meta."""
+    """Trace ``model`` on ``example_input`` into a ``Traced`` (see NOTE [nodes are storages]); the graph's
+    ``loss_bytes`` and ``loss_held_bytes`` are what ``loss_fn`` (default: the executor's, the sum of the
+    outputs) holds beside the outputs and their gradients, measured on meta."""
     if cost_model not in COST_MODELS:
         raise ValueError(f"unknown cost_model {cost_model!r}; valid: {', '.join(COST_MODELS)}")
     gm = _symbolic_trace(model)
@@ -73,11 +74,10 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
     probe = _Probe(meta_module, cost_model)
     with torch.enable_grad():
         output = probe.run(example_input.to("meta").requires_grad_(False))
+    loss_fn = loss_fn or sum_loss  # the executor's default
     traced = probe.result(gm, *_gradients(probe, output, loss_fn))
-    if loss_fn is None:
-        return traced
-    graph = traced.graph.replace(loss_bytes=_loss_bytes(output, loss_fn))
-    return dataclasses.replace(traced, graph=graph)
+    working, held = _loss_bytes(output, loss_fn)
+    return dataclasses.replace(traced, graph=traced.graph.replace(loss_bytes=working, loss_held_bytes=held))
 
 
 def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict]:
@@ -107,8 +107,8 @@ def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict]:
                 return
             if _to_parameters(fn, probe.autograd_group):  # a parameter's gradient on its way
                 return
-            received.setdefault(g, {_storage(t)._cdata for t in grad_outputs if t is not None})
             inner = {_storage(t)._cdata for t in grad_outputs if t is not None}
+            received.setdefault(g, set(inner))
             for (target, _), grad in zip(fn.next_functions, grad_inputs):
                 h = probe.autograd_group.get(target)
                 if grad is not None and h is not None and h != g:
@@ -121,40 +121,40 @@ def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict]:
     handles = [fn.register_hook(post_hook(fn, g)) for fn, g in probe.autograd_group.items()]
     try:
         with torch.enable_grad():
-            loss = loss_fn(output) if loss_fn is not None else sum(t.float().sum() for t in leaves)
+            loss = loss_fn(output)
         torch.autograd.backward(loss)
     finally:
         for handle in handles:
             handle.remove()
-    passed: dict[tuple[int, int], set[int]] = {}  # (group, predecessor group) -> storages its gradient is in
+    passed: dict[int, dict[int, set[int]]] = {}  # group -> predecessor group -> storages its gradient is in
+    outside: dict[int, set[int]] = {}  # group -> storages it handed on, as handed
     for g, h, target, key in handed:
+        outside.setdefault(g, set()).add(key)
         while target in probe.view_nodes:  # through the views' backward to the storage's own gradient
             key = through.get((target, key), key)
             target = target.next_functions[0][0] if target.next_functions else None
-        passed.setdefault((g, h), set()).add(key)
+        passed.setdefault(g, {}).setdefault(h, set()).add(key)
     # A layer's working gradients: those its autograd nodes pass among themselves (an in-place ReLU's, on
     # its way to the convolution before it), beside the one it received and those it hands on.
-    outside: dict[int, set[int]] = {}
-    for g, _, _, key in handed:
-        outside.setdefault(g, set()).add(key)
     work: dict[int, int] = {}
     for g, inner in working:
         own = inner - received.get(g, set()) - outside.get(g, set())
         work[g] = max(work.get(g, 0), sum(sizes[k] for k in own))
     shares: dict[int, list[tuple[list[int], int]]] = {}
-    for g in {g for g, _ in passed}:
+    for g, by_pred in passed.items():
         by_storage: dict[int, list[int]] = {}
-        for (v, h), storages in passed.items():
-            if v == g and len(storages) == 1:
+        for h, storages in by_pred.items():
+            if len(storages) == 1:
                 by_storage.setdefault(next(iter(storages)), []).append(h)
         shares[g] = [(preds, -1 if key in received.get(g, ()) else sizes[key])
                      for key, preds in by_storage.items() if key in received.get(g, ()) or len(preds) > 1]
     return shares, work
 
 
-def _loss_bytes(output, loss_fn) -> int:
-    """The peak the loss and its backward reach on meta, less the outputs and their gradients (the
-    simulator holds those as the outputs' own)."""
+def _loss_bytes(output, loss_fn) -> tuple[int, int]:
+    """The peak the loss and its backward reach on meta, and what stays to the step's end (the loss itself
+    and the backward's seed), each less the outputs and their gradients (the simulator holds those as the
+    outputs' own)."""
     from harness.measure import MemoryTracker
 
     leaves = []
@@ -168,8 +168,13 @@ def _loss_bytes(output, loss_fn) -> int:
     output = tree_map(leaf, output)
     with torch.enable_grad(), MemoryTracker(torch.nn.Module(), tuple(leaves)) as tracker:  # outputs counted
         loss = loss_fn(output)
-        torch.autograd.grad(loss, leaves, allow_unused=True)
-    return max(0, tracker.peak_bytes - 2 * sum(t.untyped_storage().nbytes() for t in leaves))
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        ends = sum(tracker.current[part] for part in ("params", "grads", "activations"))
+    outputs = sum(t.untyped_storage().nbytes() for t in leaves)
+    grads = sum(g.untyped_storage().nbytes() for g in grads if g is not None)
+    # ``loss.backward()`` holds its seed (``ones_like(loss)``) until it returns; ``grad`` has freed it here.
+    seed = loss.untyped_storage().nbytes()
+    return max(0, tracker.peak_bytes - 2 * outputs), max(0, ends - outputs - grads) + seed
 
 
 def _to_parameters(fn, group_of: dict, depth: int = 4) -> bool:

@@ -79,7 +79,8 @@ class Graph:
     forward computation (traced graphs; hand-written ones default to ``cost``), for strategies that need
     times rather than cost units (``swap``). ``loss_bytes`` is what the loss holds while it and its
     backward run, besides the outputs and their gradients (a language model's log-softmax over the
-    vocabulary), measured when the graph was traced with its loss; zero otherwise.
+    vocabulary), measured when the graph was traced with its loss; zero otherwise. ``loss_held_bytes`` is
+    what of it stays to the end of the step (the loss's value).
 
     ``grad_shares[v]`` says which predecessors' gradients the backward of ``v`` hands over without a
     buffer of their own, as pairs ``(preds, nbytes)``: ``nbytes == -1``, they are ``v``'s own incoming
@@ -102,6 +103,7 @@ class Graph:
     scopes: tuple[str, ...] | None = None
     flops: tuple[float, ...] | None = None
     loss_bytes: int = 0
+    loss_held_bytes: int = 0
     grad_shares: tuple[tuple[tuple[tuple[int, ...], int], ...], ...] | None = None
     backward_work_bytes: tuple[int, ...] | None = None
     preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
@@ -114,7 +116,7 @@ class Graph:
 
     def __init__(self, mem_bytes, cost, edges, names=None, kinds=None, backward_reads=None,
                  saved_extra_bytes=None, param_bytes=None, scopes=None, flops=None, loss_bytes=0, grad_shares=None,
-                 backward_work_bytes=None):
+                 backward_work_bytes=None, loss_held_bytes=0):
         n = len(mem_bytes)
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
         put("mem_bytes", tuple(int(m) for m in mem_bytes))
@@ -150,14 +152,16 @@ class Graph:
         put("scopes", tuple(str(x) for x in scopes) if scopes is not None else tuple("" for _ in range(n)))
         put("flops", tuple(float(f) for f in flops) if flops is not None else self.cost)
         put("loss_bytes", int(loss_bytes))
+        put("loss_held_bytes", int(loss_held_bytes))
         shares = grad_shares if grad_shares is not None else [()] * n
         put("grad_shares", tuple(tuple((tuple(sorted(int(u) for u in preds)), int(size)) for preds, size in s)
                                  for s in shares))
         work = backward_work_bytes if backward_work_bytes is not None else [0] * n
         put("backward_work_bytes", tuple(int(b) for b in work))
         _validate_backward(self)
-        if self.loss_bytes < 0:
-            raise ValueError(f"Graph: loss_bytes must not be negative, got {self.loss_bytes}")
+        if self.loss_bytes < 0 or self.loss_held_bytes < 0:
+            raise ValueError(f"Graph: loss_bytes and loss_held_bytes must not be negative, got {self.loss_bytes} "
+                             f"and {self.loss_held_bytes}")
 
     def __len__(self) -> int:
         return len(self.mem_bytes)
@@ -201,7 +205,7 @@ class Graph:
         """A copy with some fields changed (the constructor's arguments)."""
         names = ("mem_bytes", "cost", "edges", "names", "kinds", "backward_reads", "saved_extra_bytes",
                  "param_bytes", "scopes", "flops", "loss_bytes", "grad_shares",
-                 "backward_work_bytes")
+                 "backward_work_bytes", "loss_held_bytes")
         return Graph(**{name: fields.get(name, getattr(self, name)) for name in names})
 
     def mem(self, nodes: int) -> int:

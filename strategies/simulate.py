@@ -32,11 +32,17 @@ PyTorch's reference-counted autograd does):
 - what a layer's backward saves besides node values (``saved_extra_bytes``: pooling indices) lives from
   the layer's forward to its backward, or, for a recomputed layer, from its recomputation;
 - the loss's own buffers (``loss_bytes``) live while the outputs' gradients are made, at the turn from
-  forward to backward;
+  forward to backward, and what of them stays (``loss_held_bytes``: the loss's value) to the step's end;
 - backward, in the reverse of that order (the autograd engine's): the first backward of a stage that
   needs a discarded value recomputes all the discarded values of that stage, from the kept ones; each
   backward allocates the gradients of its inputs and its parameters, then frees its output's gradient,
-  its saved extras and every value no later backward reads. A stage none of whose discarded values is
+  its saved extras and every value no later backward reads. Gradients are buffers as autograd hands
+  them on (``_Gradients``): an input may get the layer's own gradient or one buffer shared with another
+  input (``Graph.grad_shares``: an addition, a concatenation's views), a second gradient for a value is
+  summed in place where the engine can, and a buffer goes when no value's gradient is in it. A layer
+  with in-place members (a ReLU after its convolution) first reads its own value and turns the gradient
+  it received into working ones (``Graph.backward_work_bytes``); both may go before its inputs are read,
+  and so before a recomputation that reading calls for. A stage none of whose discarded values is
   read by a backward is not recomputed at all; ``overhead_cost`` still follows equation (1), which charges
   every discarded value, so it is an upper bound on what the executor recomputes.
 - swapped values (``plan.swapped``) leave the device after their last forward use, as if the copy to host
@@ -245,7 +251,8 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
         gradients.hold(v, ("grad", v))
         outputs.append((("grad", v), graph.mem_bytes[v]))
     loss = [(("loss", -1), graph.loss_bytes)] if graph.loss_bytes else []
-    steps.append(Step(-1, "backward", tuple([*fetch(-1), *outputs, *loss]), tuple(key for key, _ in loss)))
+    held = [(("loss_held", -1), graph.loss_held_bytes)] if graph.loss_held_bytes else []  # to the step's end
+    steps.append(Step(-1, "backward", tuple([*fetch(-1), *outputs, *loss, *held]), tuple(key for key, _ in loss)))
     recomputed = set()
     extras_present = [bool(graph.saved_extra_bytes[v] and plan.kept >> v & 1) for v in range(n)]
 
@@ -263,7 +270,7 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
             steps.append(Step(v, "swap_in", tuple(fetched), ()))
         reads = graph.backward_reads[v]
         work = graph.backward_work_bytes[v]
-        if v in reads and not present[v] and stage_of[v] not in recomputed:
+        if v in reads and not present[v]:
             recompute({stage_of[v]})
         if v in reads or work:
             # A layer's in-place members (a ReLU after its convolution) run their backward first: they
@@ -298,7 +305,8 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
             release_if_done(u, frees)
         steps.append(Step(v, "backward", tuple(allocs), tuple(frees)))
     # Parameter gradients outlive the step (the optimizer reads them); free them at the end for the tally.
-    steps.append(Step(-1, "backward", (), tuple(("param_grad", v) for v in range(n) if graph.param_bytes[v])))
+    steps.append(Step(-1, "backward", (), tuple([*(("param_grad", v) for v in range(n) if graph.param_bytes[v]),
+                                                 *(key for key, _ in held)])))
     return steps
 
 
