@@ -35,6 +35,7 @@ an allocation, as on the device.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import statistics
 import threading
@@ -45,6 +46,7 @@ from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._pytree import tree_leaves
 
 DEVICES = ("meta", "cpu", "cuda")
@@ -66,17 +68,18 @@ def on_host():
 class Measurement:
     device: str
     method: str
-    peak_bytes: int  # the device's own figure where it has one (cuda: max allocated), else the tracker's
-    tracker_peak_bytes: int
-    params_bytes: int  # parts at the tracker's peak
-    grads_bytes: int
-    activations_bytes: int
+    peak_bytes: int | None  # the device's own figure where it has one (cuda: max allocated), else the tracker's
+    tracker_peak_bytes: int | None  # None: compiled code, which the tracker cannot see (off meta)
+    params_bytes: int | None  # parts at the tracker's peak
+    grads_bytes: int | None
+    activations_bytes: int | None
     host_peak_bytes: int = 0  # swap's copies in host memory, at their peak
     reserved_bytes: int | None = None
     nvml_used_bytes: int | None = None
     step_time_ms: float | None = None
     step_time_iqr_ms: float | None = None
     device_name: str = ""
+    step_flops: int | None = None  # meta: the FLOPs of the ops the step ran (recomputations included)
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -166,13 +169,22 @@ def _is_gradient_sum(out, args) -> bool:
 
 
 def measure(step: Callable[[], object], model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], device: str,
-            warmup_steps: int = 2, timed_steps: int = 5) -> Measurement:
-    """Measure ``step`` (one training step of ``model`` on ``inputs``) on ``device``."""
+            warmup_steps: int = 2, timed_steps: int = 5, compiled: bool = False) -> Measurement:
+    """Measure ``step`` (one training step of ``model`` on ``inputs``) on ``device``. A ``compiled`` step
+    off meta runs compiled code, which no dispatch mode sees: the cuda allocator measures its memory, and on
+    cpu nothing does (NOTE [measuring torch.compile] in ``harness/compiled.py``)."""
     check_device(device)
+    if compiled and device != "meta":
+        return _measure_compiled(step, model, device, warmup_steps, timed_steps)
     tracked = _tracked_step(step, model, inputs)
     if device == "meta":
+        # Counted in a step of its own: the counter's module hooks hold tensors the tracker would count.
+        with FlopCounterMode(display=False) as flops:
+            step()
+        _clear_grads(model)
         return Measurement(device="meta", method="meta-tracker", peak_bytes=tracked.peak_bytes,
-                           tracker_peak_bytes=tracked.peak_bytes, device_name="meta", **_parts(tracked))
+                           tracker_peak_bytes=tracked.peak_bytes, device_name="meta", **_parts(tracked),
+                           step_flops=flops.get_total_flops())
     if device == "cpu":
         times = _timed(step, model, warmup_steps, timed_steps, _wall_ms)
         return Measurement(device="cpu", method="cpu-tracker+wall-clock", peak_bytes=tracked.peak_bytes,
@@ -244,9 +256,22 @@ def _measure_cuda(step, model, tracked, warmup_steps, timed_steps) -> Measuremen
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     nvml_used = _nvml_used_bytes()
     times = _timed(step, model, warmup_steps, timed_steps, _cuda_ms)
+    parts = _parts(tracked) if tracked is not None else dict(params_bytes=None, grads_bytes=None,
+                                                             activations_bytes=None)
     return Measurement(device="cuda", method="cuda-allocator+nvml+cuda-events", peak_bytes=allocated,
-                       tracker_peak_bytes=tracked.peak_bytes, reserved_bytes=reserved, nvml_used_bytes=nvml_used,
-                       device_name=torch.cuda.get_device_name(), **_parts(tracked), **_median_iqr(times))
+                       tracker_peak_bytes=tracked and tracked.peak_bytes, reserved_bytes=reserved,
+                       nvml_used_bytes=nvml_used, device_name=torch.cuda.get_device_name(), **parts,
+                       **_median_iqr(times))
+
+
+def _measure_compiled(step, model, device, warmup_steps, timed_steps) -> Measurement:
+    unseen = dict(tracker_peak_bytes=None, params_bytes=None, grads_bytes=None, activations_bytes=None)
+    if device == "cpu":
+        times = _timed(step, model, warmup_steps, max(timed_steps, 1), _wall_ms)
+        return Measurement(device="cpu", method="cpu-wall-clock only (compiled: nothing measures its memory)",
+                           peak_bytes=None, device_name=_cpu_name(), **unseen, **_median_iqr(times))
+    measured = _measure_cuda(step, model, None, warmup_steps, timed_steps)
+    return dataclasses.replace(measured, method="cuda-allocator+nvml+cuda-events (compiled)", **unseen)
 
 
 def _nvml_used_bytes() -> int:

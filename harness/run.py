@@ -21,6 +21,7 @@ import torch
 import strategies
 from harness import nets, peers
 from harness.budget import parse_budget
+from harness.compiled import plan_step as compiled_plan_step
 from harness.execute import execute
 from harness.measure import check_device, measure
 from harness.results import SCHEMA_VERSION, cell_name, read_row, write_row
@@ -34,7 +35,8 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_size: int | None = None,
              device: str = "meta", budget=None, cost_model: str = "paper", options: dict | None = None,
              warmup_steps: int = 2, timed_steps: int = 5, results_dir: str | Path | None = None,
-             resume: bool = False, isolate: bool | None = None, net_options: dict | None = None) -> dict:
+             resume: bool = False, isolate: bool | None = None, net_options: dict | None = None,
+             compile: bool = False) -> dict:
     """Measure ``strategy`` on ``net`` (a zoo net or ``SOURCE:NAME`` with ``net_options``, ``harness.models``)
     and return the result row (also written under ``results_dir``).
 
@@ -53,7 +55,7 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
         "image_size": spec.image_size if image_size is None else image_size,
         "device": device, "cost_model": cost_model, "budget_bytes": parse_budget(budget, device),
         "options": dict(options or {}), "net_options": net_options, "warmup_steps": warmup_steps,
-        "timed_steps": timed_steps,
+        "timed_steps": timed_steps, "compiled": bool(compile),
         "paper_node_count": spec.paper_nodes, **_environment(),
     }
     nets.check_sizes(net, row["batch_size"], row["image_size"], **net_options)
@@ -69,7 +71,7 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
             return child.submit(run_cell, net, strategy, batch_size=batch_size, image_size=image_size,
                                 device=device, budget=budget, cost_model=cost_model, options=options,
                                 warmup_steps=warmup_steps, timed_steps=timed_steps, results_dir=results_dir,
-                                isolate=False, net_options=net_options).result()
+                                isolate=False, net_options=net_options, compile=compile).result()
     start = time.perf_counter()
     try:
         row.update(_measure_cell(row))
@@ -110,13 +112,16 @@ def _measure_cell(row: dict) -> dict:
         measured = {**dict.fromkeys(_MEASURED),
                     "method": "not run: the executor runs stage plans, not general (R, S) schedules"}
     else:
+        compiled = row["compiled"] or plan.info.get("runner") == "torch_compile"
         if plan.info.get("runner"):
-            peers.check_measurable(plan, row["device"])
-            step = peers.step(plan, model, structure, example_input, loss_fn)
+            step = peers.step(plan, model, structure, example_input, loss_fn, compile=row["compiled"])
+        elif row["compiled"]:
+            check_compilable(plan)
+            step = compiled_plan_step(traced, plan, example_input, loss_fn)
         else:
             step = lambda: execute(traced, plan, example_input, loss_fn=loss_fn)  # noqa: E731
         measured = _measured(measure(step, model, (example_input,), row["device"], row["warmup_steps"],
-                                     row["timed_steps"]))
+                                     row["timed_steps"], compiled=compiled))
         measured["compile_time_s"] = getattr(step, "compile_time_s", None)
     predicts = plan.info.get("prediction") != "none"  # torch.compile decides out of the IR's sight
     return {
@@ -137,7 +142,16 @@ _MEASURED = {"method": "method", "device_name": "device_name", "measured_peak_by
              "measured_grads_bytes": "grads_bytes", "measured_activations_bytes": "activations_bytes",
              "measured_host_peak_bytes": "host_peak_bytes",
              "reserved_bytes": "reserved_bytes", "nvml_used_bytes": "nvml_used_bytes",
-             "step_time_ms": "step_time_ms", "step_time_iqr_ms": "step_time_iqr_ms"}
+             "step_time_ms": "step_time_ms", "step_time_iqr_ms": "step_time_iqr_ms",
+             "measured_step_flops": "step_flops"}
+
+
+def check_compilable(plan) -> None:
+    """Raise ``Inapplicable`` for a plan that cannot run under ``torch.compile``."""
+    if plan.swapped:
+        raise strategies.Inapplicable(
+            f"{plan.strategy} under compile=true: its copies to host memory are made by saved-tensor hooks "
+            "(NOTE [swapping] in harness/execute.py), which compiled code never runs; run it with compile=false")
 
 
 def _measured(measured) -> dict:

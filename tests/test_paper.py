@@ -10,9 +10,10 @@ from hydra import compose, initialize_config_dir
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness import figure3, max_batch, nets
+from harness import nets
+from harness.bench import figure3, max_batch
 from harness.paper_numbers import TABLE1_GB, TABLE2_GB
-from harness.report import table1, table2
+from harness.bench.report import table1, table2
 from harness.results import load_results
 from test_run import ROOT, _harness
 
@@ -50,7 +51,7 @@ def test_largest_batch_search_on_real_runs(tmp_path):
     # Recomputation fits more; the memory-centric DP at its minimal budget the most.
     assert largest["vanilla"] <= largest["approx_dp (tc)"] <= largest["approx_dp (mc)"]
     assert largest["vanilla"] < largest["approx_dp (mc)"]
-    assert (tmp_path / "mb.md").read_text().startswith("Made by `python -m harness.max_batch")
+    assert (tmp_path / "mb.md").read_text().startswith("Made by `python -m harness.bench.max_batch")
 
 
 def test_figure3_on_meta(tmp_path):

@@ -128,8 +128,10 @@ def test_compile_budget_rows(tmp_path):
     assert row["status"] == "ok", row.get("error")
     assert row["predicted_peak_bytes"] is None and row["compile_time_s"] > 0
     assert row["measured_peak_bytes"] > row["static_bytes"]
-    on_cpu = run_cell("vgg19", "torch_compile_budget", batch_size=2, image_size=32, device="cpu")
-    assert on_cpu["status"] == "infeasible" and "use device=meta" in on_cpu["error"]
+    on_cpu = run_cell("vgg19", "torch_compile_budget", batch_size=2, image_size=32, device="cpu",
+                      warmup_steps=0, timed_steps=1)
+    assert on_cpu["status"] == "ok" and on_cpu["measured_peak_bytes"] is None and on_cpu["step_time_ms"] > 0
+    assert "nothing measures its memory" in on_cpu["method"]  # compiled code: time only, and said so
 
 
 def test_compile_budget_on_tied_weights(tmp_path):
@@ -152,7 +154,7 @@ def test_the_compile_peer_compiles_before_any_dispatch_mode():
     torch._dynamo.reset()
     counters.clear()
     model, x, loss_fn = nets.build("vgg19", 1, 32, device="cpu")
-    run = peers.compiled_step(model, x, loss_fn, budget_ratio=0.5)
+    run = peers.compiled_step(model, x, loss_fn, budget_ratio=0.5)  # resets dynamo, then compiles
     compiled = counters["stats"]["unique_graphs"]
     assert compiled >= 1 and counters["frames"]["ok"] >= 1, "compiled when built, before any dispatch mode"
     assert run.compile_time_s > 0

@@ -1,6 +1,6 @@
 """Tables from result rows (read only through ``load_results``); labels for people live here.
 
-``python -m harness.report TABLE ROWS_DIR OUT_STEM`` writes ``OUT_STEM.md`` and ``OUT_STEM.csv``:
+``python -m harness.bench.report TABLE ROWS_DIR OUT_STEM`` writes ``OUT_STEM.md`` and ``OUT_STEM.csv``:
 - ``spine``: per net, the graph's size beside seed 004's #V and the measured and predicted peaks of
   ``vanilla`` and ``liveness_only`` beside the paper's vanilla figure;
 - ``strategies``: per net and strategy, measured and predicted peaks and the reduction against vanilla,
@@ -269,13 +269,13 @@ class WriteTable(Callback):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m harness.report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m harness.bench.report", description=__doc__.splitlines()[0])
     parser.add_argument("table", choices=sorted(TABLES))
     parser.add_argument("rows", type=Path, help="folder of result rows")
     parser.add_argument("out", type=Path, help="output path without suffix (.md and .csv are written)")
     args = parser.parse_args(argv)
     table = TABLES[args.table](load_results(args.rows))
-    write(table, args.out, f"python -m harness.report {args.table} {args.rows} {args.out}")
+    write(table, args.out, f"python -m harness.bench.report {args.table} {args.rows} {args.out}")
 
 
 if __name__ == "__main__":

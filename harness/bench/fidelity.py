@@ -1,4 +1,4 @@
-"""Does a prediction hold? ``python -m harness.bench_fidelity OUT_STEM [--rows DIR] [--nets a,b]``.
+"""Does a prediction hold? ``python -m harness.bench.fidelity OUT_STEM [--rows DIR] [--nets a,b]``.
 
 Every strategy that makes a plan in the IR, on the seven nets of seed 004 at its batch and at four times
 it, on ``meta``: the simulator's predicted peak beside the tracker's measured one, and their gap
@@ -73,7 +73,7 @@ def table(rows: pd.DataFrame) -> tuple[pd.DataFrame, str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m harness.bench_fidelity", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m harness.bench.fidelity", description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="output path without suffix (.md and .csv are written)")
     parser.add_argument("--rows", type=Path, default=Path("results/rows_fidelity_meta"))
     parser.add_argument("--nets", default=",".join(nets.PAPER_NETS))
@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     for net, batch in tqdm(work, desc="fidelity", file=sys.stdout):
         cells(net, batch, args.rows)
     out, summary = table(load_results(args.rows))
-    command = " ".join(["python -m harness.bench_fidelity", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(["python -m harness.bench.fidelity", *(argv if argv is not None else sys.argv[1:])])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     out.to_csv(args.out.with_suffix(".csv"), index=False, float_format="%.3f")
     header = (f"Made by `{command}` on {datetime.date.today().isoformat()}; meta (meta-tracker) for the "

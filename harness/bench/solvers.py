@@ -1,6 +1,6 @@
 """Solve time of the DPs on the zoo nets (traced at the paper's sizes) and on the paper's own graphs.
 
-``python -m harness.bench_solvers results/solve_times`` writes ``.md`` and ``.csv``: per graph, strategy and
+``python -m harness.bench.solvers results/solve_times`` writes ``.md`` and ``.csv``: per graph, strategy and
 mode, the lower sets in the family, the minimal feasible budget by seed 004's model (parameters and
 input excluded) and the wall time of ``strategies.solve`` (median of ``--repeat`` runs). The DPs' kernels
 are compiled by numba on first use and cached on disk; a warm-up solve on a toy graph loads them first,
@@ -64,7 +64,7 @@ def warm_up() -> float:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m harness.bench_solvers", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m harness.bench.solvers", description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="output path without suffix")
     parser.add_argument("--paper-dir", type=Path, default=paper_graphs.DEFAULT_DIR)
     parser.add_argument("--repeat", type=int, default=3)
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
     table = pd.DataFrame(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out.with_suffix(".csv"), index=False, float_format="%.4f")
-    command = " ".join(["python -m harness.bench_solvers", str(args.out)] + [
+    command = " ".join(["python -m harness.bench.solvers", str(args.out)] + [
         f"--repeat {args.repeat}"] + ([f"--max-lower-sets {args.max_lower_sets}"] if args.max_lower_sets else []))
     header = (f"Made by `{command}` on {datetime.date.today().isoformat()}, "
               f"{platform.processor() or platform.machine()}, one process, {numba.get_num_threads()} numba threads "

@@ -1,9 +1,9 @@
-"""Seed 004's Figure 3, step time against batch size: ``python -m harness.figure3 OUT_STEM [--device cuda]``.
+"""Seed 004's Figure 3, step time against batch size: ``python -m harness.bench.figure3 OUT_STEM [--device cuda]``.
 
 Per net (ResNet-152 and PSPNet by default), over batch sizes beyond vanilla's largest, on a device of
 ``--memory`` (11.4 GB, the paper's K40c): ``vanilla`` where it fits, with its straight-line fit extended
 over every batch (the paper's extrapolation), ``approx_dp`` time-centric with the memory as its budget
-(less any overshoot a first run measured: ``harness.max_batch.run_within``), ``approx_dp`` memory-centric at
+(less any overshoot a first run measured: ``harness.bench.max_batch.run_within``), ``approx_dp`` memory-centric at
 its minimal budget, and Chen's sqrt(n) (``chen_sqrt``, the paper's "Chen's").
 A point is drawn where its run is ``ok`` and its measured peak is within the memory; a curve stops at its
 first batch that does not fit (larger ones are not run).
@@ -31,7 +31,7 @@ import pandas as pd  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from harness.budget import parse_budget  # noqa: E402
-from harness.max_batch import fits, run_within  # noqa: E402
+from harness.bench.max_batch import fits, run_within  # noqa: E402
 from harness.results import label  # noqa: E402
 
 BATCHES = {"resnet152": [16, 32, 48, 64, 96, 128, 160, 192, 224, 256], "pspnet": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}
@@ -97,7 +97,7 @@ def plot(table: pd.DataFrame, net: str, memory: int, device: str, device_name: s
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m harness.figure3", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m harness.bench.figure3", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_stem", type=Path)
     parser.add_argument("--nets", default=",".join(BATCHES), help=f"comma-separated, of {', '.join(BATCHES)}")
@@ -131,7 +131,7 @@ def main(argv=None) -> None:
         if not fits(row, memory):
             past_the_end.add(curve)
     table = with_extrapolation(points(pd.DataFrame(rows), memory))
-    command = "python -m harness.figure3 " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m harness.bench.figure3 " + " ".join(argv if argv is not None else sys.argv[1:])
     machines = sorted({row["device_name"] for row in rows if row.get("device_name")})
     device_name = (f"measured on {', '.join(machines)}" if args.device == "cuda"
                    else "meta device: the time axis is the cost model's prediction")

@@ -1,4 +1,4 @@
-"""The largest batch each strategy fits in a stated device memory: ``python -m harness.max_batch OUT_STEM``.
+"""The largest batch each strategy fits in a stated device memory: ``python -m harness.bench.max_batch OUT_STEM``.
 
 For every net and strategy, and each memory (``--memory 11.4GB,80GB``: seed 004's K40c and an H100), the
 largest batch whose run fits: status ``ok`` and a measured peak within the memory. A strategy that can
@@ -139,7 +139,7 @@ def _rows_of(rows_dir: Path, device: str) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m harness.max_batch", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m harness.bench.max_batch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_stem", type=Path)
     parser.add_argument("--memory", default="11.4GB,80GB", help="device memories, comma-separated")
@@ -158,7 +158,7 @@ def main(argv=None) -> None:
     progress = tqdm(cells, desc="largest batch")
     table = pd.DataFrame([search(net, strategy, options, memory, args.device, args.rows, progress, args.from_rows)
                           for net, strategy, options, memory in progress])
-    command = "python -m harness.max_batch " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m harness.bench.max_batch " + " ".join(argv if argv is not None else sys.argv[1:])
     measured = [r for r in _rows_of(args.rows, args.device) if r.get("device_name")]
     device_name = ("meta (the tracker's live bytes)" if args.device == "meta"
                    else ", ".join(sorted({r["device_name"] for r in measured})))

@@ -1,4 +1,4 @@
-"""Every strategy and PyTorch peer beside the optimum: ``python -m harness.bench_peers OUT_STEM``.
+"""Every strategy and PyTorch peer beside the optimum: ``python -m harness.bench.peers OUT_STEM``.
 
 For each zoo net at seed 004's sizes and each strategy (at its default budget, the DPs at their minimum):
 the measured peak and reduction against vanilla, read from the result rows (``--rows``, made by ``python -m
@@ -120,7 +120,7 @@ def main(argv=None) -> None:
     table = pd.DataFrame(table)
     out = Path(args.out_stem)
     table.to_csv(out.with_suffix(".csv"), index=False)
-    command = (f"python -m harness.bench_peers {args.out_stem} --time-limit {args.time_limit:g}"
+    command = (f"python -m harness.bench.peers {args.out_stem} --time-limit {args.time_limit:g}"
                + (f" --max-stages {args.max_stages}" if args.max_stages != IlpOptions().max_stages else ""))
     out.with_suffix(".md").write_text(
         f"Made by `{command}` on {datetime.date.today()} (rows from `{args.rows}`, device `meta`; ILP: HiGHS, "

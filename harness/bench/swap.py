@@ -1,9 +1,9 @@
-"""Swap against seed 001's Table 1: ``python -m harness.bench_swap OUT_STEM [--device meta]``.
+"""Swap against seed 001's Table 1: ``python -m harness.bench.swap OUT_STEM [--device meta]``.
 
 Three tables, written to ``OUT_STEM.md`` and ``OUT_STEM.csv``:
 1. the largest ResNet-50 batch (224x224) whose measured peak fits a 12 GiB device, for ``vanilla``,
    ``swap`` and ``swap`` on ``approx_dp`` (seed 001: 144 -> 664 on a 12 GB M40), by a gallop and bisection
-   (``harness.max_batch.largest_batch``);
+   (``harness.bench.max_batch.largest_batch``);
 2. the measured peak of ResNet-101/200/1001/2000 at batch 32 under ``vanilla`` and under ``swap`` with every
    candidate swapped (seed 001 Table 1(b));
 3. for each row of table 2, the step time the simulator predicts (compute, and the lower bound max(compute,
@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 import strategies
 from harness.execute import execute
-from harness.max_batch import largest_batch as search_largest
+from harness.bench.max_batch import largest_batch as search_largest
 from harness.measure import measure
 from harness.nets import classification_loss
 from harness.run import fixed_bytes, run_cell
@@ -108,7 +108,7 @@ def main(argv=None):
                         "seed 001 (M40, TF r1.2)": paper if paper is not None else ""})
     nets = args.nets.split(",")
     peaks = [row for name in tqdm(nets, desc="ResNets at batch 32") for row in resnet_rows(name, args.device)]
-    command = "python -m harness.bench_swap " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m harness.bench.swap " + " ".join(argv if argv is not None else sys.argv[1:])
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "meta (tracker)"
     table_1, table_2 = pd.DataFrame(batches), pd.DataFrame(peaks)
     memory_columns = ["net", "blocks", "strategy", "batch", "measured GB", "predicted GB", "host GB", "seed 001 MB"]

@@ -1,6 +1,6 @@
 """Coverage: does every model people train come out exact, and what does recomputation save on it?
 
-``python -m harness.coverage results/coverage [--models a,b] [--rows DIR]`` takes every torchvision
+``python -m harness.bench.coverage results/coverage [--models a,b] [--rows DIR]`` takes every torchvision
 classification model (``torchvision.models.list_models(module=torchvision.models)``), torchvision's
 segmentation models, and smp's ``Unet``, ``FPN`` and ``PSPNet`` on three encoders. For each, on the CPU at
 a small input (batch 2, side 64; a ViT at its patch size times 4; ``SIDES`` where a model needs more) with dropout, attention dropout and
@@ -67,7 +67,7 @@ def _build(name: str, side: int, batch: int, device: str):
     if name.startswith("smp:"):  # through the module source, as a user's own factory goes
         _, architecture, encoder = name.split(":")
         options = {"kwargs": {"architecture": architecture, "encoder": encoder}, "loss": "segmentation"}
-        name = "module:harness.coverage:smp_model"
+        name = "module:harness.bench.coverage:smp_model"
     elif name.startswith("torchvision:vit_"):
         patch = int(name.rsplit("_", 1)[1])
         side = side if side == 224 else 4 * patch
@@ -178,7 +178,7 @@ def table(rows: pd.DataFrame) -> tuple[pd.DataFrame, str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m harness.coverage", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m harness.bench.coverage", description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="output path without suffix (.md and .csv are written)")
     parser.add_argument("--rows", type=Path, default=Path("results/coverage_rows"), help="one JSON row per model")
     parser.add_argument("--models", default=None, help="comma-separated subset of the catalogue")
@@ -207,7 +207,7 @@ def main(argv=None) -> None:
     rows = pd.DataFrame([json.loads(p.read_text()) for p in sorted(args.rows.glob("*.json"))])
     rows = rows[rows.model.isin(catalogue())]
     out, totals = table(rows.sort_values("model").reset_index(drop=True))
-    command = " ".join(["python -m harness.coverage", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(["python -m harness.bench.coverage", *(argv if argv is not None else sys.argv[1:])])
     header = (f"Made by `{command}` on {datetime.date.today().isoformat()}; exactness on cpu (batch "
               f"{SMALL_BATCH}, side {SMALL_SIDE}, dropout and stochastic depth on, torch {torch.__version__}), "
               f"reductions measured on meta (meta-tracker, batch {META_BATCH}, side 224; smp 512).\n\n")

@@ -1,0 +1,220 @@
+"""The memory-time frontier, eager and compiled: ``python -m harness.bench.frontier OUT_STEM [--device cuda]``.
+
+Per net (ResNet-152 at batch 128, PSPNet at batch 8, GPT-2 at batch 8 and sequence 1024), every strategy's
+measured (peak, step time):
+- ``vanilla``, eager and compiled;
+- ``torch_compile_budget`` at ``activation_memory_budget`` 0, 0.2, 0.5, 0.8 and 1;
+- ``torch_checkpoint_blocks`` and ``torch_checkpoint_sequential``, eager and compiled (where the net has them);
+- ``approx_dp`` time-centric at ``--dp-points`` budgets from its minimum to vanilla's peak, eager and compiled;
+- ``chen_sqrt``, eager and compiled;
+- ``swap`` at ``--swap-points`` budgets from its minimum up towards vanilla's peak, eager (it cannot be
+  compiled: ``harness.run.check_compilable``).
+
+The time axis: on ``cuda`` the measured step time (median, CUDA events); on ``meta`` the FLOPs the step ran
+(``measured_step_flops``: recomputations included, swap's copies not). Writes ``OUT_STEM.csv`` and ``.md``
+(every point, the Pareto front, and for each PyTorch peer point whether a compiled ``approx_dp`` point
+dominates it: peak and time both at most the peer's) and one PNG per net, ``OUT_STEM_NET.png``. Every run's
+row lands in ``--rows`` (resumable; ``--from-rows`` runs nothing and reads them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from harness.results import cell_name, read_row  # noqa: E402
+from harness.run import run_cell  # noqa: E402
+
+NETS = {"resnet152": (128, 224), "pspnet": (8, 712), "gpt2": (8, 1024)}
+RATIOS = (0.0, 0.2, 0.5, 0.8, 1.0)
+PEERS = ("torch_compile_budget", "torch_checkpoint_blocks", "torch_checkpoint_sequential")
+
+
+def time_axis(device: str) -> tuple[str, float, str]:
+    """(row field, scale, axis label) of the time axis on ``device``."""
+    if device == "meta":
+        return "measured_step_flops", 1e-12, "TFLOP per step (the ops the step ran; meta)"
+    return "step_time_ms", 1.0, "measured step time (ms, median)"
+
+
+class Cells:
+    """Runs (or, ``from_rows``, reads) the cells of one net and keeps their rows."""
+
+    def __init__(self, net, batch, side, device, rows_dir, from_rows, timed_steps, progress):
+        self.net, self.batch, self.side, self.device = net, batch, side, device
+        self.rows_dir, self.from_rows, self.timed_steps, self.progress = rows_dir, from_rows, timed_steps, progress
+        self.rows: list[dict] = []
+
+    def run(self, strategy, *, budget=None, options=None, compile=False, point=None) -> dict:
+        kwargs = dict(batch_size=self.batch, image_size=self.side, device=self.device, budget=budget,
+                      options=options or {}, warmup_steps=2, timed_steps=self.timed_steps, compile=compile)
+        self.progress.set_postfix_str(f"{self.net} {strategy}{' compiled' if compile else ''}"
+                                      + (f" {budget / 1e9:.2f} GB" if budget else ""))
+        if self.from_rows:
+            path = self.rows_dir / cell_name({"net": self.net, "strategy": strategy, "net_options": {},
+                                              "cost_model": "paper", "budget_bytes": budget, "compiled": compile,
+                                              **kwargs})
+            row = read_row(path) if path.exists() else {"status": "missing", "net": self.net,
+                                                         "strategy": strategy, "compiled": compile}
+        else:
+            row = run_cell(self.net, strategy, results_dir=self.rows_dir, resume=True, **kwargs)
+        self.progress.update()
+        self.rows.append({**row, "point": point or strategy})
+        return row
+
+
+def net_points(cells: Cells, dp_points: int, swap_points: int) -> None:
+    vanilla = cells.run("vanilla")
+    cells.run("vanilla", compile=True, point="vanilla")
+    for ratio in RATIOS:
+        cells.run("torch_compile_budget", options={"budget_ratio": ratio}, point=f"torch_compile_budget {ratio:g}")
+    for strategy in ("torch_checkpoint_blocks", "torch_checkpoint_sequential", "chen_sqrt"):
+        for compile in (False, True):
+            cells.run(strategy, compile=compile)
+    if vanilla.get("status") != "ok":
+        return
+    top = vanilla["measured_peak_bytes"]
+    for strategy, count, compiles in (("approx_dp", dp_points, (False, True)), ("swap", swap_points, (False,))):
+        least = cells.run(strategy, budget=1, point=f"{strategy} (its minimum)").get("min_feasible_bytes")
+        cells.rows.pop()  # the probe for the minimum is not a point
+        if least is None:
+            continue
+        top = max(top, least)
+        stop = top if strategy == "approx_dp" else least + (top - least) * (count - 1) / count
+        for budget in np.linspace(least, stop, count).astype(int):
+            for compile in compiles:
+                cells.run(strategy, budget=int(budget), compile=compile, point=f"{strategy} @ {budget / 1e9:.2f} GB")
+
+
+def points(rows: list[dict], device: str) -> pd.DataFrame:
+    field, scale, _ = time_axis(device)
+    out = []
+    for row in rows:
+        ok = row.get("status") == "ok" and row.get("measured_peak_bytes") is not None and row.get(field) is not None
+        out.append({"net": row["net"], "point": row["point"], "strategy": row["strategy"],
+                    "compiled": bool(row.get("compiled")) or row["strategy"] == "torch_compile_budget",
+                    "status": row.get("status"), "budget GB": (row.get("budget_bytes") or np.nan) / 1e9,
+                    "peak GB": row["measured_peak_bytes"] / 1e9 if ok else np.nan,
+                    "time": row[field] * scale if ok else np.nan,
+                    "IQR %": (100 * row["step_time_iqr_ms"] / row["step_time_ms"]
+                              if ok and row.get("step_time_iqr_ms") is not None else np.nan),
+                    "compile s": row.get("compile_time_s"), "host GB": (row.get("plan_host_bytes") or np.nan) / 1e9,
+                    "note": "" if row.get("status") == "ok" else str(row.get("error", ""))[:80]})
+    table = pd.DataFrame(out)
+    table["pareto"] = False
+    for net, group in table.groupby("net"):
+        ok = group.dropna(subset=["peak GB", "time"])
+        if device == "meta":  # FLOPs leave out swap's copies: its points would sit on every front
+            ok = ok[ok.strategy != "swap"]
+        for i, point in ok.iterrows():
+            table.loc[i, "pareto"] = not ((ok["peak GB"] <= point["peak GB"]) & (ok["time"] <= point["time"])
+                                          & ((ok["peak GB"] < point["peak GB"]) | (ok["time"] < point["time"]))).any()
+    return table
+
+
+def dominance(table: pd.DataFrame) -> list[str]:
+    """For each PyTorch peer point (and vanilla), whether a compiled ``approx_dp`` point dominates it."""
+    lines = []
+    for net, group in table.groupby("net", sort=False):
+        ours = group[(group.strategy == "approx_dp") & group.compiled].dropna(subset=["peak GB", "time"])
+        peers = group[group.strategy.isin(PEERS + ("vanilla",))].dropna(subset=["peak GB", "time"])
+        for _, peer in peers.iterrows():
+            name = f"{peer.point}{' (compiled)' if peer.compiled and peer.strategy != 'torch_compile_budget' else ''}"
+            better = ours[(ours["peak GB"] <= peer["peak GB"]) & (ours.time <= peer.time)]
+            if len(better):
+                best = better.sort_values("time").iloc[0]
+                lines.append(f"- {net}, {name} ({peer['peak GB']:.2f} GB, {peer.time:.4g}): dominated by compiled "
+                             f"{best.point} ({best['peak GB']:.2f} GB, {best.time:.4g})")
+            else:
+                lines.append(f"- {net}, {name} ({peer['peak GB']:.2f} GB, {peer.time:.4g}): not dominated by any "
+                             "compiled approx_dp point")
+    return lines
+
+
+def plot(table: pd.DataFrame, net: str, device: str, caption: str, path: Path) -> None:
+    _, _, axis_label = time_axis(device)
+    group = table[table.net == net].dropna(subset=["peak GB", "time"])
+    fig, ax = plt.subplots(figsize=(8, 5))
+    families = group.groupby(["strategy", "compiled"], sort=False)
+    for (k, ((strategy, compiled), points_)), marker in zip(enumerate(families), "osD^v<>pPX*h"):
+        ax.scatter(points_["peak GB"], points_.time, marker=marker, s=36, zorder=3,
+                   facecolors="none" if not compiled else None,
+                   label=f"{strategy}, {'compiled' if compiled else 'eager'}", color=f"C{k % 10}")
+    front = group[group.pareto].sort_values("peak GB")
+    ax.step(front["peak GB"], front.time, where="post", color="k", linewidth=1, label="Pareto front")
+    ax.set_xlabel("measured peak (GB)")
+    ax.set_ylabel(axis_label)
+    ax.set_title(f"{net}: memory against time, every strategy (hollow: eager, filled: compiled)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.text(0.01, 0.01, caption, fontsize=6, color="0.4")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m harness.bench.frontier", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_stem", type=Path)
+    parser.add_argument("--nets", default=",".join(NETS), help=f"comma-separated, of {', '.join(NETS)}")
+    parser.add_argument("--device", default="meta", choices=["meta", "cuda"])
+    parser.add_argument("--batch", type=int, help="one batch size for every net (default: NETS)")
+    parser.add_argument("--side", type=int, help="one input side (sequence length) for every net")
+    parser.add_argument("--dp-points", type=int, default=6, help="approx_dp budgets, its minimum to vanilla's peak")
+    parser.add_argument("--swap-points", type=int, default=3)
+    parser.add_argument("--timed-steps", type=int, default=10, help="cuda: steps timed per point, after 2 warm-ups")
+    parser.add_argument("--rows", type=Path, default=Path("results/runs"), help="where every run's row goes")
+    parser.add_argument("--from-rows", action="store_true", help="run nothing: read the rows in --rows")
+    args = parser.parse_args(argv)
+    names = args.nets.split(",")
+    unknown = sorted(set(names) - set(NETS)) if args.batch is None or args.side is None else []
+    if unknown:
+        raise SystemExit(f"no sizes for {', '.join(unknown)} (give --batch and --side); nets with them: "
+                         f"{', '.join(NETS)}")
+    cells_per_net = 2 + len(RATIOS) + 6 + 2 * args.dp_points + args.swap_points + 2
+    progress = tqdm(total=cells_per_net * len(names), desc="frontier")
+    rows = []
+    for net in names:
+        batch, side = NETS.get(net, (None, None))
+        cells = Cells(net, args.batch or batch, args.side or side, args.device, args.rows, args.from_rows,
+                      args.timed_steps, progress)
+        net_points(cells, args.dp_points, args.swap_points)
+        rows += cells.rows
+    progress.close()
+    table = points(rows, args.device)
+    command = "python -m harness.bench.frontier " + " ".join(argv if argv is not None else sys.argv[1:])
+    machines = sorted({row["device_name"] for row in rows if row.get("device_name")})
+    where = (f"measured on {', '.join(machines)}" if args.device == "cuda"
+             else "meta device: peaks measured by the tracker (compiled points: the AOT replay), time is FLOPs run")
+    args.out_stem.parent.mkdir(parents=True, exist_ok=True)
+    for net in names:
+        plot(table, net, args.device, f"{command}  ({datetime.date.today()}; {where})",
+             Path(f"{args.out_stem}_{net}.png"))
+    table.to_csv(args.out_stem.with_suffix(".csv"), index=False, float_format="%.4g")
+    _, _, axis_label = time_axis(args.device)
+    lines = dominance(table)
+    sizes = "; ".join(f"{net} batch {args.batch or NETS[net][0]}, side {args.side or NETS[net][1]}" for net in names)
+    args.out_stem.with_suffix(".md").write_text(
+        f"Made by `{command}` on {datetime.date.today()}; {where}. {sizes}. Time: {axis_label}. `pareto`: no "
+        "other point has both less memory and less time (on meta, swap is left out: the FLOPs do not count its "
+        "copies). Swap's host link: the rows' `plan_host_bytes` each "
+        "way (`host GB`); on meta its copies cost no time here.\n\n"
+        "Each PyTorch peer point against the compiled `approx_dp` points:\n\n" + "\n".join(lines) + "\n\n"
+        + table.to_markdown(index=False, floatfmt=".4g") + "\n")
+    print("\n".join(lines))
+    print(f"frontier: {args.out_stem}.md, .csv, " + ", ".join(f"{args.out_stem}_{n}.png" for n in names))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""Any stage plan under ``torch.compile`` (``run_cell(..., compile=True)``, ``compile=true`` in Hydra).
+
+NOTE [compiling a plan]
+Under ``torch.compile`` the saved-tensor hooks of the executor (NOTE [executing a plan]) never run: the
+compiler's partitioner decides, on the joint forward-backward graph, which values the forward graph hands
+the backward one and which the backward recomputes. It honours a per-op policy, the one selective
+activation checkpointing sets (``node.meta["recompute"]``): ``MUST_RECOMPUTE`` is never saved, ``MUST_SAVE``
+never recomputed. So a plan is compiled by telling the partitioner, op by op, which IR node the op computes:
+
+- ``marked_module`` copies the traced fx module and puts ``recompute_bench::mark(value, node)`` after the
+  last writer of each IR node (NOTE [nodes are storages]); every later reader reads the mark's result.
+  After the last writer nothing writes the storage again, so a reader sees the same value either way.
+- ``tag_plan`` runs on the joint graph, before the partitioner: the ATen ops traced up to a mark belong to
+  its IR node (a view belongs to the node it views). An op of a recomputed node is ``MUST_RECOMPUTE``; the
+  value of a kept node is ``MUST_SAVE``. The other ops of a kept node (batch norm's centred input, say)
+  are left to the partitioner, which saves them or recomputes them from saved values as it would without
+  a plan. The marks are then removed: each is its input.
+
+The partitioner then reorders the backward so that each recomputation runs just before its first use, as
+the autograd engine does (``reordering_to_mimic_autograd_engine``), and replays a recomputed random op from
+the RNG state it saved. Inductor fuses what is recomputed with the backward ops that read it: the plan's
+memory at the compiler's speed.
+
+Backends as for the compile peer (below): inductor on cuda (the tagging is its ``joint_custom_pre_pass``),
+``aot_eager_decomp_partition``'s pipeline on cpu, and on meta an AOT replay of the partitioned graphs.
+
+NOTE [measuring torch.compile]
+The tracker is a dispatch mode, and torch.compile runs a frame eagerly while a dispatch mode is active,
+so on ``meta`` the compiled program is replayed instead: ``torch.compile`` with AOTAutograd (the
+partitioner and decompositions inductor uses, in one graph) compiles the step once, its forward and
+backward graphs are kept, and each step runs them op by op under ``no_grad`` (the tracker sees every op),
+the loss and its gradient eagerly between them; each value, saved ones included, is freed after its last
+use in its graph, as inductor's generated code does. That compile, on meta, is ``compile_time_s``. On ``cpu``
+and ``cuda`` the step is the real ``torch.compile`` (``aot_eager_decomp_partition`` on cpu, inductor on
+cuda), compiled by a first step outside any dispatch mode (``compile_time_s``: dynamo runs a frame first met
+under the tracker eagerly and never compiles it after). The cuda allocator measures it, with no tracker
+(``tracker_peak_bytes`` is empty), while on cpu nothing can: a compiled row there has step times only
+(``measure(..., compiled=True)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import time
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils.checkpoint import CheckpointPolicy
+
+from harness.measure import MemoryTracker
+from harness.trace import Traced
+from strategies import Plan
+
+
+@torch.library.custom_op("recompute_bench::mark", mutates_args=())
+def mark(value: torch.Tensor, node: int) -> torch.Tensor:
+    """The value of IR node ``node``; only ever traced (``tag_plan`` removes it before anything runs)."""
+    return value.clone()
+
+
+@mark.register_fake
+def _(value, node):
+    return torch.empty_like(value)
+
+
+def _mark_backward(ctx, grad):
+    return grad, None
+
+
+mark.register_autograd(_mark_backward)
+MARK = torch.ops.recompute_bench.mark.default
+
+
+def marked_module(traced: Traced) -> fx.GraphModule:
+    """``traced.module`` with a mark after each IR node's last writer (NOTE [compiling a plan]); it shares
+    the module's parameters and buffers."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    last_writer = {name: v for v, name in enumerate(traced.graph.names)}  # an IR node is named after it
+    for node in traced.module.graph.nodes:
+        copied = graph.node_copy(node, lambda n: env[n])
+        if node.name in last_writer:
+            copied = graph.call_function(_mark_tensors, (copied, last_writer[node.name]))
+        env[node] = copied
+    return fx.GraphModule(traced.module, graph)
+
+
+def _mark_tensors(value, node: int):
+    """``mark`` on a tensor, or on each tensor of a tuple or list (a layer that returns several)."""
+    if isinstance(value, torch.Tensor):
+        return MARK(value, node)
+    if isinstance(value, (tuple, list)):
+        return type(value)([MARK(t, node) if isinstance(t, torch.Tensor) else t for t in value])
+    return value
+
+
+def tag_plan(graph: fx.Graph, recomputed: int) -> None:
+    """Tag the ops of a joint graph with the plan's policy and take the marks out (NOTE [compiling a plan]).
+    ``recomputed`` is the plan's bitset of recomputed IR nodes."""
+    marks = [node for node in graph.nodes if node.target is MARK]
+    if not marks:
+        return
+    node_of: dict[fx.Node, int] = {}
+    pending: list[fx.Node] = []
+    for node in graph.nodes:
+        if node is marks[-1].next:
+            break
+        if node.op != "call_function":
+            continue
+        if node.target is MARK:
+            v = node.args[1]
+            for op in pending:
+                node_of[op] = v
+            pending = []
+            node_of[node] = v
+            source = node.args[0]
+            recompute = recomputed >> v & 1
+            source.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE if recompute else CheckpointPolicy.MUST_SAVE
+        elif _is_view(node) and node.args and node.args[0] in node_of:
+            node_of[node] = node_of[node.args[0]]
+        else:
+            pending.append(node)
+    for op, v in node_of.items():
+        if recomputed >> v & 1:
+            op.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    for node in marks:
+        node.replace_all_uses_with(node.args[0])
+        graph.erase_node(node)
+
+
+def _is_view(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
+class PlanPass:
+    """``tag_plan`` as inductor's ``joint_custom_pre_pass`` (with the ``uuid`` its cache asks for)."""
+
+    def __init__(self, recomputed: int):
+        self.recomputed = recomputed
+
+    def __call__(self, graph: fx.Graph) -> None:
+        tag_plan(graph, self.recomputed)
+
+    def uuid(self) -> bytes:
+        return hashlib.sha256(f"recompute_bench.tag_plan:{self.recomputed}".encode()).digest()
+
+
+def plan_step(traced: Traced, plan: Plan, example_input: torch.Tensor, loss_fn):
+    """The training step of ``plan`` under ``torch.compile`` (NOTE [compiling a plan]); the returned
+    function has ``compile_time_s``."""
+    return compiled_step(marked_module(traced), traced.module, example_input, loss_fn, recomputed=plan.recomputed)
+
+
+def compiled_step(forward, model: nn.Module, example_input: torch.Tensor, loss_fn, budget_ratio: float = 1.0,
+                  recomputed: int | None = None, context=contextlib.nullcontext):
+    """The training step of ``forward`` (``model`` or a function that calls it) under ``torch.compile``:
+    with ``activation_memory_budget=budget_ratio``, or with the partitioner told the plan's ``recomputed``
+    nodes (``forward`` from ``marked_module``). ``context()`` is entered around every call (a peer's
+    checkpoints). Off meta, the first step runs here, outside any dispatch mode (NOTE [measuring
+    torch.compile]); the returned function has ``compile_time_s``."""
+    import torch._dynamo
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.compile_fx import select_decomp_table
+
+    patches = [functorch_config.patch(activation_memory_budget=budget_ratio)]
+    partition = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+    if recomputed is not None:
+        partition = functools.partial(_tagged_partition, partition, recomputed)
+    # Each cell compiles anew: dynamo's cache would otherwise fill with earlier cells' models (one entry per
+    # instance) and, past its size limit, run later ones eagerly without a word.
+    torch._dynamo.reset()
+    device = example_input.device.type
+    if device == "meta":
+        return _replayed_step(forward, model, example_input, loss_fn, patches, partition, context)
+    if _get_current_dispatch_mode() is not None:
+        raise RuntimeError("compiled_step: build the step outside any dispatch mode, or dynamo will not compile it")
+    if device == "cuda":
+        backend = "inductor"
+        if recomputed is not None:
+            patches.append(inductor_config.patch(joint_custom_pre_pass=PlanPass(recomputed)))
+    else:
+        from torch._dynamo.backends.debugging import boxed_nop
+
+        # aot_eager_decomp_partition, with the plan's partition where there is one
+        backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, decompositions=select_decomp_table,
+                               partition_fn=partition)
+    compiled = torch.compile(forward, backend=backend)
+
+    def run():
+        with _patched(patches), context():  # every call: a recompile must see them too
+            loss = loss_fn(compiled(example_input))
+            loss.backward()
+        return loss.detach()
+
+    buffers = [b.clone() for b in model.buffers()]  # the compiling step must not count as a step
+    start = time.perf_counter()
+    run()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    run.compile_time_s = time.perf_counter() - start
+    with torch.no_grad():
+        for buffer, value in zip(model.buffers(), buffers):
+            buffer.copy_(value)
+    _clear_grads(model)
+    return run
+
+
+def _clear_grads(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+@contextlib.contextmanager
+def _patched(patches):
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
+def _tagged_partition(partition, recomputed: int, joint: fx.GraphModule, joint_inputs, **kwargs):
+    tag_plan(joint.graph, recomputed)
+    joint.recompile()
+    return partition(joint, joint_inputs, **kwargs)
+
+
+def _replayed_step(forward, model, example_input, loss_fn, patches, partition, context):
+    """On meta: compile once, keeping AOTAutograd's forward and backward graphs, and replay them op by op
+    (NOTE [measuring torch.compile])."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.compile_fx import select_decomp_table
+
+    graphs, arguments = {}, []
+
+    def keep(kind):
+        def compiler(graph_module, example_inputs):
+            graphs[kind] = graph_module
+
+            def call(args):
+                if kind == "forward" and not arguments:
+                    arguments.extend(args)  # parameters, buffers, input: the order the graph takes them
+                return _Replay(graph_module).boxed_run(args)
+
+            call._boxed_call = True  # AOTAutograd passes the arguments as one list
+            return call
+        return compiler
+
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                           decompositions=select_decomp_table, partition_fn=partition)
+    start = time.perf_counter()
+    with _patched(patches), context():
+        # fullgraph: the replay runs one forward and one backward graph
+        loss_fn(torch.compile(forward, backend=backend, fullgraph=True)(example_input)).backward()
+    compile_time_s = time.perf_counter() - start
+    _clear_grads(model)
+    placeholders = [n.name for n in graphs["backward"].graph.find_nodes(op="placeholder")]
+    saved_count = sum(1 for name in placeholders if not name.startswith("tangents"))
+
+    def run():
+        # The forward graph returns the buffers it updates (BatchNorm statistics; nothing to put back on
+        # meta), then the model's output, then what the backward graph takes before the output's gradient.
+        with torch.no_grad():
+            outputs = _Replay(graphs["forward"]).run(*arguments)
+        saved = list(outputs[len(outputs) - saved_count:])
+        output = outputs[len(outputs) - saved_count - 1].detach().requires_grad_()
+        del outputs
+        loss = loss_fn(output)
+        (output_grad,) = torch.autograd.grad(loss, output)
+        del output
+        backward_arguments = saved + [output_grad]
+        del saved, output_grad
+        with torch.no_grad():  # boxed: the interpreter holds the only references and frees each after use
+            grads = _Replay(graphs["backward"]).boxed_run(backward_arguments)
+        tracker = _get_current_dispatch_mode()
+        for argument, grad in zip(arguments, grads):
+            if isinstance(argument, nn.Parameter) and grad is not None:
+                argument.grad = grad
+                if isinstance(tracker, MemoryTracker):
+                    tracker.mark_grad(argument)
+        return loss.detach()
+
+    run.compile_time_s = compile_time_s
+    return run
+
+
+class _Replay(fx.Interpreter):
+    """Runs a partitioned graph on meta. A recomputed random op comes wrapped in the RNG-state operators
+    (``run_and_save_rng_state`` in the forward graph, ``run_with_rng_state`` in the backward one); meta has
+    no RNG state, so the op runs bare and the saved state is an empty tensor."""
+
+    def call_function(self, target, args, kwargs):
+        from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+        if target is run_and_save_rng_state:
+            op, *rest = args
+            return torch.empty(0, dtype=torch.uint8, device="meta"), op(*rest, **kwargs)
+        if target is run_with_rng_state:
+            _, op, *rest = args
+            return op(*rest, **kwargs)
+        return super().call_function(target, args, kwargs)

@@ -1,0 +1,160 @@
+"""Plans under torch.compile (harness/compiled.py): the same function as plain PyTorch, really compiled, and
+holding what the plan keeps."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
+
+import strategies
+from harness import nets, peers
+from harness.compiled import MARK, compiled_step, marked_module, plan_step, tag_plan
+from harness.run import run_cell
+from harness.trace import trace
+from test_executor import SMALL, SkipToOutput, quarter_plan
+
+
+def _float64(model, x):
+    return model.double(), x.double() if x.is_floating_point() else x
+
+
+def _assert_same_step(model, reference, loss, reference_loss):
+    torch.testing.assert_close(loss, reference_loss.detach(), rtol=1e-10, atol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        scale = q.grad.abs().max().item()
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-7, atol=1e-9 * scale, msg=lambda m: f"{name}: {m}")
+    for (name, b), r in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(b, r, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")  # updated once
+
+
+@pytest.mark.parametrize("net, strategy", [("resnet50", "chen_sqrt"), ("densenet161", "approx_dp"),
+                                           ("unet", "quarter")])
+def test_a_compiled_plan_computes_plain_pytorchs_step(net, strategy):
+    """In float64 on cpu (aot_eager with inductor's decompositions): loss, gradients and BatchNorm statistics
+    of one compiled step under the plan equal plain eager PyTorch's."""
+    batch, side = SMALL.get(net, (2, 64))
+    torch.manual_seed(0)
+    model, x, loss_fn = nets.build(net, batch, side, device="cpu")
+    model, x = _float64(model, x)
+    reference = copy.deepcopy(model)
+    reference_loss = loss_fn(reference(x))
+    reference_loss.backward()
+    traced = trace(model, x, loss_fn=loss_fn)
+    plan = quarter_plan(traced.graph) if strategy == "quarter" else strategies.solve(strategy, traced.graph)
+    assert plan.recomputed, "the plan recomputes"
+    _assert_same_step(model, reference, plan_step(traced, plan, x, loss_fn)(), reference_loss)
+
+
+def test_a_compiled_plan_replays_dropout_and_in_place_layers():
+    """Dropout on, in-place ReLUs, BatchNorm: the compiled plan's step equals compiled vanilla's from the same
+    seed (compiled dropout draws from decomposed random ops, so eager is no reference), with the recomputed
+    dropout masks drawn again from the saved RNG state."""
+    torch.manual_seed(0)
+    model = SkipToOutput().double()
+    for module in model.modules():
+        if isinstance(module, nn.ReLU):
+            module.inplace = True
+    x = torch.randn(2, 3, 16, 16, dtype=torch.double)
+    reference = copy.deepcopy(model)
+    loss_fn = nets.sum_loss
+    traced = trace(model, x, loss_fn=loss_fn)
+    plan = quarter_plan(traced.graph)
+    recomputed = {traced.graph.names[v] for v in strategies.members(plan.recomputed)}
+    assert any(name in traced.random_nodes for name in recomputed), "a dropout is recomputed"
+    torch.manual_seed(1)
+    vanilla = compiled_step(reference, reference, x, loss_fn)
+    torch.manual_seed(1)
+    step = plan_step(traced, plan, x, loss_fn)
+    torch.manual_seed(2)
+    reference_loss = vanilla()
+    torch.manual_seed(2)
+    _assert_same_step(model, reference, step(), reference_loss)
+
+
+def test_tagging_follows_the_plan():
+    """On the joint graph, every op up to a kept node's mark that is its value is MUST_SAVE, the ops of a
+    recomputed node are MUST_RECOMPUTE, and no mark is left."""
+    model, x, loss_fn = nets.build("resnet50", 2, 64)
+    traced = trace(model, x, loss_fn=loss_fn)
+    plan = strategies.solve("chen_sqrt", traced.graph)
+    marked = marked_module(traced)
+    marks = [n for n in marked.graph.nodes if n.op == "call_function" and n.target.__name__ == "_mark_tensors"]
+    assert len(marks) == len(traced.graph), "one mark per IR node"
+    joint = torch.fx.experimental.proxy_tensor.make_fx(lambda x: marked(x))(x)  # a forward graph is enough
+    tag_plan(joint.graph, plan.recomputed)
+    assert not [n for n in joint.graph.nodes if n.target is MARK]
+    policies = [n.meta.get("recompute") for n in joint.graph.nodes if n.op == "call_function"]
+    assert policies.count(CheckpointPolicy.MUST_SAVE) == bin(plan.kept).count("1")
+    assert policies.count(CheckpointPolicy.MUST_RECOMPUTE) >= bin(plan.recomputed).count("1")
+
+
+def test_a_compiled_step_is_compiled():
+    """Dynamo compiles the step when it is built, and the timed steps run the compiled code (no recompile)."""
+    from torch._dynamo.utils import counters
+
+    from harness.measure import MemoryTracker
+
+    model, x, loss_fn = nets.build("vgg19", 1, 32, device="cpu")
+    traced = trace(model, x, loss_fn=loss_fn)
+    counters.clear()
+    step = plan_step(traced, strategies.solve("chen_sqrt", traced.graph), x, loss_fn)
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled >= 1 and counters["frames"]["ok"] >= 1 and step.compile_time_s > 0
+    with MemoryTracker(model, (x,)):
+        step()
+    step()
+    assert counters["stats"]["unique_graphs"] == compiled
+
+
+@pytest.mark.parametrize("net", nets.PAPER_NETS)
+def test_compiled_plans_hold_what_the_eager_plan_holds(net):
+    """On meta (the AOT replay), a compiled recomputing plan holds at most 3% more than the eager executor
+    does (the compiler may hold less: it also recomputes cheap ops of kept nodes), and where the eager plan
+    saves memory, the compiled plan holds less than compiled vanilla."""
+    batch, side = (1, 188) if net == "unet" else (8, 128)
+    rows = {(strategy, compile): run_cell(net, strategy, batch_size=batch, image_size=side, compile=compile)
+            for strategy in ("vanilla", "chen_sqrt") for compile in (False, True)}
+    assert all(row["status"] == "ok" for row in rows.values())
+    peak = {key: row["measured_peak_bytes"] for key, row in rows.items()}
+    assert rows["chen_sqrt", True]["compiled"] and rows["chen_sqrt", True]["compile_time_s"] > 0
+    eager, compiled = peak["chen_sqrt", False], peak["chen_sqrt", True]
+    assert compiled <= 1.03 * eager, f"compiled {compiled:,} against eager {eager:,}"
+    if eager < 0.95 * peak["vanilla", False]:
+        assert compiled < peak["vanilla", True]
+
+
+def test_compiled_rows(tmp_path):
+    """A compiled cpu row has step times and no memory figure, and says so; swap cannot be compiled; a
+    compiled row has a file of its own."""
+    on_cpu = run_cell("vgg19", "chen_sqrt", batch_size=1, image_size=32, device="cpu", compile=True,
+                      results_dir=tmp_path, timed_steps=1, warmup_steps=0)
+    assert on_cpu["status"] == "ok", on_cpu.get("error")
+    assert on_cpu["measured_peak_bytes"] is None and on_cpu["step_time_ms"] > 0
+    assert "nothing measures its memory" in on_cpu["method"]
+    eager = run_cell("vgg19", "chen_sqrt", batch_size=1, image_size=32, device="cpu", results_dir=tmp_path,
+                     timed_steps=1, warmup_steps=0)
+    assert eager["row_path"] != on_cpu["row_path"] and eager["measured_peak_bytes"] > 0
+    swapped = run_cell("vgg19", "swap", batch_size=1, image_size=32, compile=True, options={"min_bytes": 0})
+    assert swapped["status"] == "infeasible" and "compile=false" in swapped["error"]
+
+
+@pytest.mark.parametrize("strategy", ["torch_checkpoint_blocks", "torch_checkpoint_sequential"])
+def test_compiled_checkpoint_peers(strategy):
+    """The PyTorch checkpoint peers compiled: plain PyTorch's step in float64 on cpu, and on meta below
+    compiled vanilla's peak."""
+    torch.manual_seed(0)
+    model, x, loss_fn = nets.build("resnet50", 2, 64, device="cpu")
+    model, x = _float64(model, x)
+    reference = copy.deepcopy(model)
+    reference_loss = loss_fn(reference(x))
+    reference_loss.backward()
+    structure = nets.structure("resnet50", model)
+    plan = strategies.solve(strategy, trace(model, x).graph, **peers.zoo_options(strategy, structure))
+    _assert_same_step(model, reference, peers.step(plan, model, structure, x, loss_fn, compile=True)(),
+                      reference_loss)
+    row = run_cell("resnet50", strategy, batch_size=8, image_size=128, compile=True)
+    vanilla = run_cell("resnet50", "vanilla", batch_size=8, image_size=128, compile=True)
+    assert row["status"] == "ok", row.get("error")
+    assert row["measured_peak_bytes"] < vanilla["measured_peak_bytes"]
