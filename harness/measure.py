@@ -270,8 +270,8 @@ def _measure_compiled(step, model, device, warmup_steps, timed_steps) -> Measure
         times = _timed(step, model, warmup_steps, max(timed_steps, 1), _wall_ms)
         return Measurement(device="cpu", method="cpu-wall-clock only (compiled: nothing measures its memory)",
                            peak_bytes=None, device_name=_cpu_name(), **unseen, **_median_iqr(times))
-    measured = _measure_cuda(step, model, None, warmup_steps, timed_steps)
-    return dataclasses.replace(measured, method="cuda-allocator+nvml+cuda-events (compiled)", **unseen)
+    measured = _measure_cuda(step, model, None, warmup_steps, timed_steps)  # no tracker: its fields stay empty
+    return dataclasses.replace(measured, method="cuda-allocator+nvml+cuda-events (compiled)")
 
 
 def _nvml_used_bytes() -> int:

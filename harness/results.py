@@ -24,6 +24,17 @@ def cell_name(row: dict) -> str:
             f"__{row['cost_model']}__{row['device']}{'__compiled' if row.get('compiled') else ''}.json")
 
 
+def stored_path(rows_dir: str | os.PathLike, net: str, strategy: str, *, batch_size: int, image_size: int,
+                device: str, budget_bytes: int | None = None, options: dict | None = None,
+                compiled: bool = False) -> Path:
+    """Where ``run_cell`` wrote (or would write) the row of a zoo net's cell under ``rows_dir`` (default
+    net options and cost model): how a driver's ``--from-rows`` finds it without running anything."""
+    key = {"net": net, "strategy": strategy, "options": options or {}, "batch_size": batch_size,
+           "image_size": image_size, "budget_bytes": budget_bytes, "cost_model": "paper", "device": device,
+           "compiled": compiled}
+    return Path(rows_dir) / cell_name(key)
+
+
 def _flat(options: dict, prefix: str = "") -> list[tuple[str, object]]:
     """Nested options as sorted ``(a.b, value)`` pairs: ``{"kwargs": {"image_size": 32}}`` names
     ``kwargs.image_size-32`` in a file name."""

@@ -110,6 +110,12 @@ def test_compiled_step_matches_eager_in_float64(net):
     reference_loss.backward()
     plan = strategies.solve("torch_compile_budget", trace(model, x).graph, budget_ratio=0.5)
     loss = peers.step(plan, model, nets.structure(net, model), x, loss_fn)()
+    assert_same_step_in_float64(model, reference, loss, reference_loss)
+
+
+def assert_same_step_in_float64(model, reference, loss, reference_loss):
+    """One step of ``model`` (``loss``) equals ``reference``'s in float64: the loss, every gradient, and the
+    BatchNorm statistics (updated once)."""
     torch.testing.assert_close(loss, reference_loss.detach(), rtol=1e-10, atol=0)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         scale = q.grad.abs().max().item()

@@ -90,6 +90,11 @@ def plot(table: pd.DataFrame, net: str, memory: int, device: str, device_name: s
     ax.set_title(f"{net}: step time against batch size within {memory / 1e9:g} GB\n{device_name}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    save_figure(fig, caption, path)
+
+
+def save_figure(fig, caption: str, path: Path) -> None:
+    """Write ``fig`` as a PNG with ``caption`` (the command that made it) in small print at its foot."""
     fig.text(0.01, 0.01, caption, fontsize=6, color="0.4")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=120)

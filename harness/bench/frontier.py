@@ -32,7 +32,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from harness.results import cell_name, read_row  # noqa: E402
+from harness.bench.figure3 import save_figure  # noqa: E402
+from harness.results import read_row, stored_path  # noqa: E402
 from harness.run import run_cell  # noqa: E402
 
 NETS = {"resnet152": (128, 224), "pspnet": (8, 712), "gpt2": (8, 1024)}
@@ -61,9 +62,8 @@ class Cells:
         self.progress.set_postfix_str(f"{self.net} {strategy}{' compiled' if compile else ''}"
                                       + (f" {budget / 1e9:.2f} GB" if budget else ""))
         if self.from_rows:
-            path = self.rows_dir / cell_name({"net": self.net, "strategy": strategy, "net_options": {},
-                                              "cost_model": "paper", "budget_bytes": budget, "compiled": compile,
-                                              **kwargs})
+            path = stored_path(self.rows_dir, self.net, strategy, batch_size=self.batch, image_size=self.side,
+                               device=self.device, budget_bytes=budget, options=options, compiled=compile)
             row = read_row(path) if path.exists() else {"status": "missing", "net": self.net,
                                                          "strategy": strategy, "compiled": compile}
         else:
@@ -157,10 +157,7 @@ def plot(table: pd.DataFrame, net: str, device: str, caption: str, path: Path) -
     ax.set_title(f"{net}: memory against time, every strategy (hollow: eager, filled: compiled)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
-    fig.text(0.01, 0.01, caption, fontsize=6, color="0.4")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, caption, path)
 
 
 def main(argv=None) -> None:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from harness import nets
 from harness.budget import parse_budget
 from harness.paper_numbers import TABLE1_GB
-from harness.results import cell_name, label, read_row
+from harness.results import label, read_row, stored_path
 from harness.run import run_cell
 
 # (strategy, options), seed 004's columns first; options as the strategy configs give them.
@@ -72,9 +72,8 @@ def largest_batch(fits_at: Callable[[int], bool], guess: int) -> int:
 def stored_row(net: str, strategy: str, batch: int, device: str, budget: int | None, options: dict,
                rows_dir: Path) -> dict:
     """The row a probe wrote earlier (``--from-rows``: a search re-read where its device is not at hand)."""
-    key = {"net": net, "strategy": strategy, "options": options, "batch_size": batch,
-           "image_size": nets.spec(net).image_size, "budget_bytes": budget, "cost_model": "paper", "device": device}
-    path = rows_dir / cell_name(key)
+    path = stored_path(rows_dir, net, strategy, batch_size=batch, image_size=nets.spec(net).image_size,
+                       device=device, budget_bytes=budget, options=options)
     if not path.exists():
         raise SystemExit(f"--from-rows: no row {path}; run the search where device {device} is")
     return read_row(path)
