@@ -61,7 +61,7 @@ from torch.utils._pytree import tree_leaves
 
 from harness.measure import on_host
 from harness.nets import sum_loss
-from harness.trace import Traced
+from harness.trace import Traced, written_state
 from strategies import Plan, members
 
 
@@ -424,18 +424,13 @@ class _Step:
             return self._call(node, args, kwargs)
         if node.name in self.rng_states:
             _set_rng_state(self.rng_states[node.name])
-        written = self._buffers_of(node, args, kwargs)
+        written = written_state(self.traced.module, node, args, kwargs, self.buffer_ids)
         before = [t.detach().clone() for t in written]
         value = self._call(node, args, kwargs)
         with torch.no_grad():
             for t, old in zip(written, before):
                 t.copy_(old)
         return value
-
-    def _buffers_of(self, node: fx.Node, args, kwargs) -> list[torch.Tensor]:
-        if node.op == "call_module":
-            return list(self.modules[node.target].buffers())
-        return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and id(t) in self.buffer_ids]
 
     def _call(self, node: fx.Node, args, kwargs):
         if node.op == "get_attr":

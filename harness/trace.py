@@ -235,6 +235,15 @@ def _why_untraceable(model: torch.nn.Module, error: Exception) -> str:
             "traceable one that leaves that call out")
 
 
+def written_state(module: torch.nn.Module, node: fx.Node, args, kwargs, buffer_ids: set[int]) -> list[torch.Tensor]:
+    """The state a call of ``node`` may write, which a recomputation copies first and puts back after
+    (NOTE [replaying side effects] in ``harness/execute.py``): its module's buffers, for a module call; the
+    buffers among its inputs (ids in ``buffer_ids``), for a function or method."""
+    if node.op == "call_module":
+        return list(module.get_submodule(node.target).buffers())
+    return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and id(t) in buffer_ids]
+
+
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
     return t.untyped_storage()
 
@@ -257,6 +266,7 @@ class _Probe(fx.Interpreter):
         super().__init__(gm)
         self.cost_model = cost_model
         self.static = {id(_storage(t)) for t in list(gm.parameters()) + list(gm.buffers())}
+        self.buffer_ids = {id(b) for b in gm.buffers()}
         self.group_of_storage: dict[int, tuple[weakref.ref, int]] = {}
         self.groups: list[dict] = []  # each: members, bytes, cost, reads, extra, params, kind
         self.group_of: dict[str, int] = {}
@@ -288,18 +298,21 @@ class _Probe(fx.Interpreter):
         inputs = [t for t in tree_leaves(self._inputs(node)) if isinstance(t, torch.Tensor)]
         versions = [t._version for t in inputs]
         draws = _Draws()
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        state = sum(t.numel() * t.element_size() for t in written_state(self.module, node, args, kwargs,
+                                                                        self.buffer_ids))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, draws:
             result = super().run_node(node)
         if draws.seen:
             self.random_nodes.add(node.name)
         wrote = any(t._version != v for t, v in zip(inputs, versions))
-        self._record(node, result, saved, flops.get_total_flops(), wrote)
+        self._record(node, result, saved, flops.get_total_flops(), wrote, state)
         return result
 
     def _inputs(self, node: fx.Node):
         return [self.env[n] for n in node.all_input_nodes if n in self.env]
 
-    def _record(self, node: fx.Node, result, saved, flop_count, wrote_in_place: bool):
+    def _record(self, node: fx.Node, result, saved, flop_count, wrote_in_place: bool, state: int):
         outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
         self._keep_alive += outputs
         new = {}
@@ -311,7 +324,7 @@ class _Probe(fx.Interpreter):
         if new:
             g = len(self.groups)
             self.groups.append(dict(members=[], final=node, bytes=sum(s.nbytes() for s in new.values()), cost=0.0, flops=0,
-                                    reads=set(), extra=0, params=0, kind=_kind(node, self.module)))
+                                    reads=set(), extra=0, params=0, state=0, kind=_kind(node, self.module)))
             for s in new.values():
                 self.group_of_storage[id(s)] = (weakref.ref(s), g)
         elif aliased:
@@ -337,6 +350,7 @@ class _Probe(fx.Interpreter):
         group["cost"] += _cost(node, self.module, self.cost_model, flop_count)
         group["flops"] += flop_count
         group["params"] += _param_bytes(node, self.module)
+        group["state"] = max(group["state"], state)  # one call's copies at a time
         self.group_of[node.name] = g
         for t in saved:
             owner = self._group(_storage(t))
@@ -387,6 +401,7 @@ class _Probe(fx.Interpreter):
             grad_shares=[[(kept, size) for preds, size in (shares or {}).get(g, [])
                           if (kept := sorted(rank[h] for h in preds if (rank[h], rank[g]) in edges))] for g in order],
             backward_work_bytes=[(work or {}).get(g, 0) for g in order],
+            recompute_state_bytes=[g["state"] for g in groups],
         )
         members = tuple(tuple(node.name for node in g["members"]) for g in groups)
         group_of = {name: i for i, names in enumerate(members) for name in names}

@@ -4,10 +4,10 @@
 lists the names. Each strategy is one module here with one public function,
 ``solve(graph, budget_bytes, *, options=None) -> Plan``, and a frozen ``Options`` dataclass; adding one is
 a new module, a line in ``_MODULES`` and a config under ``configs/strategy/``. Each module also says, in
-``BUDGET_LIVENESS``, which of the simulator's two memory models its budget is judged by: every strategy but
-the ILP uses the liveness replay, which is how the real step frees (the DPs optimise equation (2) and
-search its budget for the loosest plan whose replay fits; with ``memory_model=paper`` they are judged by
-equation (2), as seed 004 ran them).
+``BUDGET_LIVENESS``, which of the simulator's two memory models its budget is judged by: every strategy
+uses the liveness replay, which is how the real step frees (the DPs optimise equation (2), the ILP
+Checkmate's accounting, and each searches its own count's budget for the loosest plan whose replay fits;
+with ``memory_model=paper`` they are judged by their papers' counts, as seed 004 and Checkmate ran them).
 """
 
 from __future__ import annotations

@@ -90,6 +90,9 @@ class Graph:
     ``backward_work_bytes[v]`` is the most the backward of ``v``'s layer holds in gradients it passes
     among its own autograd nodes (an in-place ReLU's gradient on its way to the convolution it follows),
     beside the gradient it received and those it hands on; zero on hand-written graphs.
+    ``recompute_state_bytes[v]`` is what a recomputation of ``v``'s layer holds while it runs besides its
+    value and extras: the copies of the state the layer writes (BatchNorm's running statistics), put back
+    after the call (``harness/execute.py``, NOTE [replaying side effects]); zero on hand-written graphs.
     """
 
     mem_bytes: tuple[int, ...]
@@ -106,6 +109,7 @@ class Graph:
     loss_held_bytes: int = 0
     grad_shares: tuple[tuple[tuple[tuple[int, ...], int], ...], ...] | None = None
     backward_work_bytes: tuple[int, ...] | None = None
+    recompute_state_bytes: tuple[int, ...] | None = None
     preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     pred_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -116,7 +120,7 @@ class Graph:
 
     def __init__(self, mem_bytes, cost, edges, names=None, kinds=None, backward_reads=None,
                  saved_extra_bytes=None, param_bytes=None, scopes=None, flops=None, loss_bytes=0, grad_shares=None,
-                 backward_work_bytes=None, loss_held_bytes=0):
+                 backward_work_bytes=None, loss_held_bytes=0, recompute_state_bytes=None):
         n = len(mem_bytes)
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
         put("mem_bytes", tuple(int(m) for m in mem_bytes))
@@ -158,6 +162,8 @@ class Graph:
                                  for s in shares))
         work = backward_work_bytes if backward_work_bytes is not None else [0] * n
         put("backward_work_bytes", tuple(int(b) for b in work))
+        state = recompute_state_bytes if recompute_state_bytes is not None else [0] * n
+        put("recompute_state_bytes", tuple(int(b) for b in state))
         _validate_backward(self)
         if self.loss_bytes < 0 or self.loss_held_bytes < 0:
             raise ValueError(f"Graph: loss_bytes and loss_held_bytes must not be negative, got {self.loss_bytes} "
@@ -205,7 +211,7 @@ class Graph:
         """A copy with some fields changed (the constructor's arguments)."""
         names = ("mem_bytes", "cost", "edges", "names", "kinds", "backward_reads", "saved_extra_bytes",
                  "param_bytes", "scopes", "flops", "loss_bytes", "grad_shares",
-                 "backward_work_bytes", "loss_held_bytes")
+                 "backward_work_bytes", "loss_held_bytes", "recompute_state_bytes")
         return Graph(**{name: fields.get(name, getattr(self, name)) for name in names})
 
     def mem(self, nodes: int) -> int:
@@ -245,8 +251,8 @@ def _validate_backward(graph: Graph) -> None:
             or len(graph.scopes) != n or len(graph.flops) != n):
         raise ValueError("Graph: backward_reads, saved_extra_bytes, param_bytes, scopes and flops need one entry "
                          "per node")
-    if len(graph.grad_shares) != n or len(graph.backward_work_bytes) != n:
-        raise ValueError("Graph: grad_shares and backward_work_bytes need one entry per node")
+    if len(graph.grad_shares) != n or len(graph.backward_work_bytes) != n or len(graph.recompute_state_bytes) != n:
+        raise ValueError("Graph: grad_shares, backward_work_bytes and recompute_state_bytes need one entry per node")
     for v, shares in enumerate(graph.grad_shares):
         shared = [u for preds, _ in shares for u in preds]
         if len(set(shared)) != len(shared) or not set(shared) <= set(graph.preds[v]):

@@ -37,7 +37,10 @@ def backward_node(n: int, v: int) -> int:
     return 2 * n - 1 - v
 
 
-def training_graph(graph: Graph) -> TrainingGraph:
+def training_graph(graph: Graph, loss_reads_outputs: bool = True) -> TrainingGraph:
+    """``loss_reads_outputs``: Checkmate's model, where an output's backward reads it (the loss's
+    gradient); without it, as the executor runs, the loss reads the outputs at once and an output stays
+    only if its own layer's backward reads it (``simulate.schedule_timeline``)."""
     n = len(graph)
     deps: list[set[int]] = [set(graph.preds[v]) for v in range(n)] + [set() for _ in range(n)]
     mem = list(graph.mem_bytes) + [0] * n
@@ -45,7 +48,7 @@ def training_graph(graph: Graph) -> TrainingGraph:
     for v in range(n):
         b = backward_node(n, v)
         deps[b] |= {backward_node(n, w) for w in graph.succs[v]} | set(graph.backward_reads[v])
-        if not graph.succs[v]:
+        if not graph.succs[v] and loss_reads_outputs:
             deps[b].add(v)  # the loss reads the output
         mem[b] = sum(graph.mem_bytes[u] for u in graph.preds[v])
         cost[b] = 2 * graph.cost[v]
@@ -99,18 +102,21 @@ def cost(tg: TrainingGraph, computed: tuple[int, ...]) -> float:
     return sum(tg.cost[k] for row in computed for k in members(row)) - sum(tg.cost)
 
 
-def from_plan(graph: Graph, plan: Plan) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def from_plan(graph: Graph, plan: Plan, loss_reads_outputs: bool = True) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(R, S) of a stage plan: the forward in node order; in the backward, the first backward that reads a
-    discarded value of plan stage s recomputes all of stage s's discarded nodes (seed 004's canonical
-    strategy); every value is held from its computation to its last reader."""
-    tg = training_graph(graph)
+    discarded value of plan stage s (or needs what a discarded layer saves besides it) recomputes all of
+    stage s's discarded nodes (seed 004's canonical strategy, as the executor runs it); every value is held
+    from its computation to its last reader."""
+    tg = training_graph(graph, loss_reads_outputs)
     n, size = len(graph), len(tg.mem)
     stage_of = plan.stage_of(n)
     discarded = graph.all_nodes & ~plan.kept
     computed = [1 << t for t in range(size)]
     recomputed_stages: set[int] = set()
     for t in range(n, size):
-        for u in tg.deps[t]:
+        v = backward_node(n, t)  # its backward needs the record of a computation: a recomputed one's extras
+        needs = [*tg.deps[t], *([v] if graph.saved_extra_bytes[v] else [])]
+        for u in needs:
             if u < n and discarded >> u & 1 and stage_of[u] not in recomputed_stages:
                 recomputed_stages.add(stage_of[u])
                 computed[t] |= plan.stages[stage_of[u]] & discarded
@@ -132,9 +138,10 @@ def hold_until_last_use(tg: TrainingGraph, computed: list[int] | tuple[int, ...]
     return tuple(held)
 
 
-def to_plan(graph: Graph, computed: tuple[int, ...], held: tuple[int, ...], **kwargs) -> Plan:
+def to_plan(graph: Graph, computed: tuple[int, ...], held: tuple[int, ...], loss_reads_outputs: bool = True,
+            **kwargs) -> Plan:
     """The ``Plan`` that carries schedule (R, S); keyword arguments as for ``Plan.from_stages``."""
-    validate(training_graph(graph), computed, held)
+    validate(training_graph(graph, loss_reads_outputs), computed, held)
     n = len(graph)
     once = sum(1 << v for v in range(n) if sum(row >> v & 1 for row in computed) == 1)
     plan = Plan.from_stages(graph, [graph.all_nodes], kept=once, **kwargs)

@@ -34,7 +34,8 @@ PyTorch's reference-counted autograd does):
 - the loss's own buffers (``loss_bytes``) live while the outputs' gradients are made, at the turn from
   forward to backward, and what of them stays (``loss_held_bytes``: the loss's value) to the step's end;
 - backward, in the reverse of that order (the autograd engine's): the first backward of a stage that
-  needs a discarded value recomputes all the discarded values of that stage, from the kept ones; each
+  needs a discarded value recomputes all the discarded values of that stage, from the kept ones (a
+  recomputed layer holds copies of the state it writes while it runs, ``Graph.recompute_state_bytes``); each
   backward allocates the gradients of its inputs and its parameters, then frees its output's gradient,
   its saved extras and every value no later backward reads. Gradients are buffers as autograd hands
   them on (``_Gradients``): an input may get the layer's own gradient or one buffer shared with another
@@ -42,7 +43,8 @@ PyTorch's reference-counted autograd does):
   summed in place where the engine can, and a buffer goes when no value's gradient is in it. A layer
   with in-place members (a ReLU after its convolution) first reads its own value and turns the gradient
   it received into working ones (``Graph.backward_work_bytes``); both may go before its inputs are read,
-  and so before a recomputation that reading calls for. A stage none of whose discarded values is
+  and so before a recomputation that reading calls for (a ReLU after an addition makes no working
+  gradient: it reads its value while it makes the one it hands on). A stage none of whose discarded values is
   read by a backward is not recomputed at all; ``overhead_cost`` still follows equation (1), which charges
   every discarded value, so it is an upper bound on what the executor recomputes.
 - swapped values (``plan.swapped``) leave the device after their last forward use, as if the copy to host
@@ -86,8 +88,9 @@ def simulate(graph: Graph, plan: Plan, liveness: bool = True) -> Prediction:
     if plan.schedule is not None:
         training = schedule.training_graph(graph)
         computed, held = plan.schedule
-        return Prediction(peak_bytes=schedule.peak(training, computed, held) + sum(graph.param_bytes),
-                          overhead_cost=schedule.cost(training, computed), liveness=liveness)
+        peak = (peak_of(schedule_timeline(graph, computed, held)) if liveness
+                else schedule.peak(training, computed, held) + sum(graph.param_bytes))
+        return Prediction(peak_bytes=peak, overhead_cost=schedule.cost(training, computed), liveness=liveness)
     overhead = graph.time(plan.recomputed)  # Eq. (1): everything not kept is computed twice
     if liveness:
         peak = peak_of(timeline(graph, plan))
@@ -272,20 +275,20 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
         work = graph.backward_work_bytes[v]
         if v in reads and not present[v]:
             recompute({stage_of[v]})
-        if v in reads or work:
+        if work:
             # A layer's in-place members (a ReLU after its convolution) run their backward first: they
             # read the value they wrote, and turn the gradient received into a working one. The value's
             # last reading frees it, and the received gradient goes, before the first member's backward
-            # reads the inputs, which may call for a recomputation.
+            # reads the inputs, which may call for a recomputation. A member that hands its gradient
+            # straight on (a ReLU after an addition) makes no working one: it reads its value while it
+            # makes what it hands on, below, like any other read.
             reads = [u for u in reads if u != v]
             early = []
-            if work:
-                gradients.drop(v, early)
+            gradients.drop(v, early)
             if v in graph.backward_reads[v]:
                 readers_left[v] -= 1
                 release_if_done(v, early)
-            if work or early:
-                steps.append(Step(v, "backward", ((("work", v), work),) if work else (), tuple(early)))
+            steps.append(Step(v, "backward", ((("work", v), work),), tuple(early)))
         missing = {stage_of[u] for u in reads if not present[u]}
         assert all(present[u] for u in reads if plan.swapped >> u & 1), \
             f"simulator: the backward of node {v} reads a swapped value before its prefetch"
@@ -373,6 +376,95 @@ class _Gradients:
         return allocs, frees
 
 
+def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, ...]) -> list[Step]:
+    """The training step a general schedule (R, S; ``strategies/schedule.py``) describes, counted as
+    ``timeline`` counts a stage plan's (NOTE [a schedule's replay])."""
+    n = len(graph)
+    tg = schedule.training_graph(graph, loss_reads_outputs=False)
+    size = 2 * n
+    # The computation of each value whose autograd record its backward uses: the last one before it.
+    recorded = [max(t for t in range(schedule.backward_node(n, v) + 1) if computed[t] >> v & 1) for v in range(n)]
+    gradients = _Gradients(graph)
+    present = 0  # the forward values on the device
+    steps = []
+
+    def read_later(row: int, u: int, after: int, but: int = -1) -> bool:
+        return any(row >> j & 1 for j in tg.users[u] if j > after and j != but)
+
+    for t in range(size):
+        if t == n:
+            steps.append(_turn(graph, gradients))
+        held_next = held[t + 1] if t + 1 < size else 0
+        row = computed[t]
+        v = schedule.backward_node(n, t) if t >= n else -1
+        work = graph.backward_work_bytes[v] if v >= 0 else 0
+        in_place_done = not work
+
+        def in_place_members(after: int):
+            """A layer's in-place members run their backward first, as in ``_backward``: as soon as the
+            value they read is here, before the recomputations its other reads call for."""
+            early = []
+            gradients.drop(v, early)
+            if present >> v & 1 and not held_next >> v & 1 and not read_later(row, v, after, but=t):
+                early.append(("value", v))
+            steps.append(Step(v, "backward", ((("work", v), work),), tuple(early)))
+            return sum(1 << key[1] for key in early if key[0] == "value")
+
+        if not in_place_done and (present >> v & 1 or v not in graph.backward_reads[v]):
+            present &= ~in_place_members(-1)
+            in_place_done = True
+        for k in members(row):
+            gone = [i for i in schedule.frees(tg, row, held_next, k) if i < n and present >> i & 1]
+            if k >= n:  # the backward of v
+                if k != t:
+                    raise ValueError(f"schedule_timeline: stage {t} computes backward node {k} again; autograd "
+                                     "computes each gradient once (ilp_optimal's MILP is built so)")
+                assert in_place_done, f"schedule: the backward of node {v} without its value"
+                present &= ~sum(1 << i for i in gone)
+                allocs, frees = gradients.backward(v)
+                if graph.param_bytes[v]:
+                    allocs.append((("param_grad", v), graph.param_bytes[v]))
+                frees += [("value", i) for i in gone] + ([("work", v)] if work else [])
+                frees += [("extra", v)] if graph.saved_extra_bytes[v] else []
+                steps.append(Step(v, "backward", tuple(allocs), tuple(frees)))
+                continue
+            # A value: its first computation, or a recomputation.
+            assert not present >> k & 1, f"schedule: stage {t} computes node {k} while holding it"
+            allocs = [(("value", k), graph.mem_bytes[k])]
+            frees = [("value", i) for i in gone]
+            if recorded[k] == t and graph.saved_extra_bytes[k]:
+                allocs.append((("extra", k), graph.saved_extra_bytes[k]))
+            if t != k and graph.recompute_state_bytes[k]:  # the copies of the state it writes
+                allocs.append((("state", k), graph.recompute_state_bytes[k]))
+                frees.append(("state", k))
+            present |= 1 << k
+            if not held_next >> k & 1 and not read_later(row, k, k):  # nothing reads it before its next computation
+                frees.append(("value", k))
+            present &= ~sum(1 << i for kind, i in frees if kind == "value")
+            steps.append(Step(k, "forward" if t == k else "recompute", tuple(allocs), tuple(frees)))
+            if k == v and not in_place_done:
+                present &= ~in_place_members(k)
+                in_place_done = True
+        if present & ~held_next:  # held for a reader the loss stood in for (Checkmate's outputs): gone now
+            steps.append(Step(-1, "forward" if t < n else "backward", (),
+                              tuple(("value", u) for u in members(present & ~held_next))))
+            present &= held_next
+    steps.append(Step(-1, "backward", (), tuple([*(("param_grad", v) for v in range(n) if graph.param_bytes[v]),
+                                                 *([("loss_held", -1)] if graph.loss_held_bytes else [])])))
+    return steps
+
+
+def _turn(graph: Graph, gradients: "_Gradients") -> Step:
+    """From forward to backward: the loss's buffers and the gradients of the outputs come."""
+    sinks = [v for v in range(len(graph)) if not graph.succs[v]]
+    for v in sinks:
+        gradients.hold(v, ("grad", v))
+    allocs = [(("grad", v), graph.mem_bytes[v]) for v in sinks]
+    allocs += [(("loss", -1), graph.loss_bytes)] if graph.loss_bytes else []
+    allocs += [(("loss_held", -1), graph.loss_held_bytes)] if graph.loss_held_bytes else []
+    return Step(-1, "backward", tuple(allocs), (("loss", -1),) if graph.loss_bytes else ())
+
+
 def _recompute_stage(graph, stage_discarded, s, present, readers_left, stages_left, release_if_done):
     nodes = members(stage_discarded)
     in_stage_uses = {u: sum(1 for w in graph.succs[u] if stage_discarded >> w & 1) for u in nodes}
@@ -391,6 +483,9 @@ def _recompute_stage(graph, stage_discarded, s, present, readers_left, stages_le
         allocs = [(("value", w), graph.mem_bytes[w])]
         if graph.saved_extra_bytes[w]:
             allocs.append((("extra", w), graph.saved_extra_bytes[w]))
+        if graph.recompute_state_bytes[w]:  # the copies of the state it writes, put back after the call
+            allocs.append((("state", w), graph.recompute_state_bytes[w]))
+            frees.append(("state", w))
         steps.append(Step(w, "recompute", tuple(allocs), tuple(frees)))
     for u in range(len(graph)):
         if s in stages_left[u]:  # this stage's recomputation was the last reader of a kept value

@@ -170,11 +170,11 @@ def test_a_failed_step_leaves_nothing_alive(strategy):
     assert outputs and all(ref() is None for ref in outputs)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15, open: the replay does not yet count recomputation's "
-                   "temporaries; here a recomputed BatchNorm measures 8 bytes above the prediction")
 def test_a_recomputation_holds_only_what_the_backward_reads():
     """A recomputed value no backward reads (ResNet's downsampling branch, read only by an addition) goes
-    after its last use in the stage, as the simulator frees it, not at the stage's end."""
+    after its last use in the stage, as the simulator frees it, not at the stage's end; a recomputed
+    BatchNorm's copies of its running statistics (8 bytes above the prediction before the replay counted
+    them, ``Graph.recompute_state_bytes``) are counted."""
     from harness.measure import measure
     from harness.run import fixed_bytes
 
@@ -183,4 +183,4 @@ def test_a_recomputation_holds_only_what_the_backward_reads():
     plan = strategies.solve("chen_sqrt", traced.graph)
     predicted = strategies.simulate(traced.graph, plan).peak_bytes + fixed_bytes(model, x)
     measured = measure(lambda: execute(traced, plan, x, loss_fn=loss_fn), model, (x,), "meta", 0, 0).peak_bytes
-    assert measured <= predicted, (measured, predicted)
+    assert measured == predicted, (measured, predicted)
