@@ -136,13 +136,13 @@ def test_the_ilp_is_judged_by_the_replay_on_a_traced_net():
     pytest.importorskip("highspy")
     model, x, loss_fn = nets.build("vgg19", 2, 32, device="meta")
     graph = trace(model, x, loss_fn=loss_fn).graph
-    least = strategies.solve("ilp_optimal", graph, time_limit_s=20)
+    least = strategies.solve("ilp_optimal", graph, time_limit_s=10, probes=4)
     vanilla = strategies.simulate(graph, strategies.solve("vanilla", graph)).peak_bytes
     for budget in (least.budget_bytes, (least.budget_bytes + vanilla) // 2):
-        plan = strategies.solve("ilp_optimal", graph, budget, time_limit_s=20)
+        plan = strategies.solve("ilp_optimal", graph, budget, time_limit_s=10, probes=4)
         assert strategies.simulate(graph, plan).peak_bytes <= budget
         approx = strategies.solve("approx_dp", graph, budget)
         assert strategies.simulate(graph, plan).overhead_cost <= strategies.simulate(graph, approx).overhead_cost
     with pytest.raises(strategies.InfeasibleBudget) as error:
-        strategies.solve("ilp_optimal", graph, least.budget_bytes // 2, time_limit_s=20)
+        strategies.solve("ilp_optimal", graph, least.budget_bytes // 2, time_limit_s=10, probes=4)
     assert error.value.min_feasible_bytes <= least.budget_bytes

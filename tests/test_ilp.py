@@ -29,7 +29,7 @@ def test_ilp_is_never_worse_than_exact_dp_at_the_same_budget(graph):
         assert 0 <= predicted.overhead_cost <= schedule.cost(training, computed)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(small_dags(max_nodes=6))
 def test_judged_by_the_replay_the_ilp_fits_its_budget_and_is_never_worse_than_approx_dp(graph):
     least = solve("ilp_optimal", graph, time_limit_s=10)
