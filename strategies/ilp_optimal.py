@@ -25,7 +25,7 @@ it reports is the lower replay of ``approx_dp``'s minimal plan and of the schedu
 and any budget at or above it is met. ``budget_bytes=None`` is the replay of ``approx_dp``'s minimal plan.
 ``ilp_status`` is the chosen MILP's: ``optimal`` proves the schedule best within its proxy budget, not
 among every schedule whose replay fits; ``warm_start`` says that none of the MILP's schedules beat
-``approx_dp``'s. Under ``memory_model=paper`` the budget is Checkmate's own count, as published: the
+``approx_dp``'s plan, which is then the answer. Under ``memory_model=paper`` the budget is Checkmate's own count, as published: the
 least budget any schedule fits is proved by a second MILP that minimises the peak; a time limit returns
 the best schedule found with status ``timeout`` and the gap; no schedule at all raises
 ``SolverTimeout``.
@@ -200,13 +200,15 @@ def within_replay(graph: Graph, budget_bytes: int, start: Plan | None, time_limi
     fits = lambda plan: simulate(graph, plan).peak_bytes <= budget_bytes  # noqa: E731
     best = start if start is not None and fits(start) else None
     warm = schedule.from_plan(graph, start, loss_reads_outputs=False) if start is not None and warm_start else None
-    status = {"ilp_status": "approx_dp"}  # none of the MILP's schedules beat approx_dp's plan
+    status = {"ilp_status": "warm_start"}  # none of the MILP's schedules beat ``start``
     everything = tuple(1 << t for t in range(len(tg.mem)))  # each node computed once, held to its last reader
     low, high = 0.0, float(schedule.peak(tg, everything, schedule.hold_until_last_use(tg, everything)))
     proxy, solved = high, 0
+    built = build(tg, int(high), max(tg.mem))  # once: a probe changes only U's bound
     while solved < probes and time.perf_counter() < deadline:
         fitting_warm = warm if warm is not None and schedule.peak(tg, *warm) <= proxy else None
-        outcome = _solve_proxy(tg, proxy, fitting_warm, max(1e-3, (deadline - time.perf_counter()) / (probes - solved)))
+        outcome = _solve_proxy(tg, built, proxy, fitting_warm,
+                               max(1e-3, (deadline - time.perf_counter()) / (probes - solved)))
         solved += 1
         if outcome is None:
             low = proxy
@@ -239,10 +241,13 @@ def _as_plan(graph: Graph, computed_held, budget_bytes: int) -> Plan:
                             budget_bytes=budget_bytes)
 
 
-def _solve_proxy(tg: schedule.TrainingGraph, proxy: float, warm, time_limit_s: float):
-    """The MILP at proxy budget ``proxy``: ((R, S), its status and figures), or None without a schedule."""
+def _solve_proxy(tg: schedule.TrainingGraph, built, proxy: float, warm, time_limit_s: float):
+    """The MILP ``built`` at proxy budget ``proxy``: ((R, S), its status and figures), or None without a
+    schedule."""
     unit = max(tg.mem)
-    model, R, S, U, FREE = build(tg, int(proxy), unit)
+    model, R, S, U, FREE = built
+    for column in U.values():
+        model.upper[column] = int(proxy) / unit
     outcome = _run(model, time_limit_s, warm_values(tg, *warm, R, S, U, FREE, unit) if warm is not None else None)
     if outcome.solution is None:
         return None
