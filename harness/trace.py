@@ -298,9 +298,8 @@ class _Probe(fx.Interpreter):
         inputs = [t for t in tree_leaves(self._inputs(node)) if isinstance(t, torch.Tensor)]
         versions = [t._version for t in inputs]
         draws = _Draws()
-        args, kwargs = self.fetch_args_kwargs_from_env(node)
-        state = sum(t.numel() * t.element_size() for t in written_state(self.module, node, args, kwargs,
-                                                                        self.buffer_ids))
+        state = sum(t.numel() * t.element_size()  # the buffers among the inputs are those among the arguments
+                    for t in written_state(self.module, node, inputs, {}, self.buffer_ids))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, draws:
             result = super().run_node(node)
         if draws.seen:

@@ -166,7 +166,8 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
     except InfeasibleBudget:
         start = None
     if budget_bytes is None:
-        start = start or schedule.from_plan(graph, approx_dp.solve(graph, None, options=approx_dp.Options(memory_model="paper")))
+        start = start or schedule.from_plan(graph, approx_dp.solve(graph, None,
+                                                                   options=approx_dp.Options(memory_model="paper")))
         budget_bytes = schedule.peak(schedule.training_graph(graph), *start) + sum(graph.param_bytes)
     return optimise(graph, budget_bytes, start if options.warm_start else None, options.time_limit_s)
 
@@ -227,7 +228,7 @@ def within_replay(graph: Graph, budget_bytes: int, start: Plan | None, time_limi
             break
         proxy = (low + high) / 2
     if best is None:
-        least = _least_proxy_peak(tg, max(1e-3, deadline - time.perf_counter()))
+        least = _least_peak(tg, max(1e-3, deadline - time.perf_counter()))[0]
         if least is None or not fits(plan := _as_plan(graph, least, budget_bytes)):
             return None
         best, status = plan, {"ilp_status": "least_peak"}
@@ -252,20 +253,24 @@ def _solve_proxy(tg: schedule.TrainingGraph, built, proxy: float, warm, time_lim
     if outcome.solution is None:
         return None
     computed = _computed(outcome.solution, R, len(tg.mem))
-    status = {"ilp_status": outcome.status, "ilp_gap": outcome.gap, "ilp_seconds": outcome.seconds,
-              "ilp_columns": len(model.lower), "ilp_rows": len(model.row_lower),
-              "ilp_bound": outcome.bound - sum(tg.cost)}
-    return (computed, schedule.hold_until_last_use(tg, computed)), status
+    return (computed, schedule.hold_until_last_use(tg, computed)), _figures(outcome, model, tg)
 
 
-def _least_proxy_peak(tg: schedule.TrainingGraph, time_limit_s: float):
-    unit = max(tg.mem)
-    model, R, _, _, _ = build(tg, None, unit)
+def _figures(outcome: "_Outcome", model: _Model, tg: schedule.TrainingGraph) -> dict:
+    """What a plan's ``info`` says of the MILP that found it."""
+    return {"ilp_status": outcome.status, "ilp_gap": outcome.gap, "ilp_seconds": outcome.seconds,
+            "ilp_columns": len(model.lower), "ilp_rows": len(model.row_lower),
+            "ilp_bound": outcome.bound - sum(tg.cost)}
+
+
+def _least_peak(tg: schedule.TrainingGraph, time_limit_s: float):
+    """The schedule (R, S) of least peak by Checkmate's count that HiGHS found, or None; and its status."""
+    model, R, _, _, _ = build(tg, None, max(tg.mem))
     outcome = _run(model, time_limit_s, None)
     if outcome.solution is None:
-        return None
+        return None, outcome.status
     computed = _computed(outcome.solution, R, len(tg.mem))
-    return computed, schedule.hold_until_last_use(tg, computed)
+    return (computed, schedule.hold_until_last_use(tg, computed)), outcome.status
 
 
 def least_replay(graph: Graph, time_limit_s: float) -> int:
@@ -274,8 +279,8 @@ def least_replay(graph: Graph, time_limit_s: float) -> int:
     from strategies import approx_dp
 
     peak = simulate(graph, approx_dp.solve(graph, None)).peak_bytes
-    least = _least_proxy_peak(schedule.training_graph(dp_view(graph, "traced"), loss_reads_outputs=False),
-                              time_limit_s)
+    least, _ = _least_peak(schedule.training_graph(dp_view(graph, "traced"), loss_reads_outputs=False),
+                           time_limit_s)
     if least is None:
         return peak
     return min(peak, peak_of(schedule_timeline(graph, *least)))
@@ -300,9 +305,7 @@ def optimise(graph: Graph, budget_bytes: int, start, time_limit_s: float) -> Pla
         raise SolverTimeout(f"ilp_optimal: HiGHS found no schedule within {time_limit_s} s")
     computed = _computed(outcome.solution, R, len(tg.mem))
     held = schedule.hold_until_last_use(tg, computed)  # the least S for this R: never more memory
-    info = {"ilp_status": outcome.status, "ilp_gap": outcome.gap, "ilp_seconds": outcome.seconds,
-            "ilp_columns": len(model.lower), "ilp_rows": len(model.row_lower),
-            "ilp_bound": outcome.bound - sum(tg.cost),
+    info = {**_figures(outcome, model, tg),
             "warm_start_overhead": schedule.cost(tg, start[0]) if start is not None else float("nan")}
     return schedule.to_plan(graph, computed, held, strategy="ilp_optimal", budget_bytes=budget_bytes, info=info)
 
@@ -311,13 +314,10 @@ def least_budget(graph: Graph, time_limit_s: float) -> int | None:
     """The least budget any schedule fits (parameter gradients included), or None if HiGHS does not prove
     it within the time limit."""
     tg = schedule.training_graph(graph)
-    unit = max(tg.mem)
-    model, R, _, _, _ = build(tg, None, unit)
-    outcome = _run(model, time_limit_s, None)
-    if outcome.status != "optimal":
+    least, status = _least_peak(tg, time_limit_s)
+    if status != "optimal":
         return None
-    computed = _computed(outcome.solution, R, len(tg.mem))
-    return schedule.peak(tg, computed, schedule.hold_until_last_use(tg, computed)) + sum(graph.param_bytes)
+    return schedule.peak(tg, *least) + sum(graph.param_bytes)
 
 
 @dataclass(frozen=True, slots=True)

@@ -262,14 +262,7 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
             present[u] = True
         return [(("value", u), graph.mem_bytes[u]) for u in fetched_at.get(trigger, ())]
 
-    sinks = [v for v in range(n) if not graph.succs[v]]
-    outputs = []  # the loss's gradient with respect to each output, while the loss's own buffers live
-    for v in sinks:
-        gradients.hold(v, ("grad", v))
-        outputs.append((("grad", v), graph.mem_bytes[v]))
-    loss = [(("loss", -1), graph.loss_bytes)] if graph.loss_bytes else []
-    held = [(("loss_held", -1), graph.loss_held_bytes)] if graph.loss_held_bytes else []  # to the step's end
-    steps.append(Step(-1, "backward", tuple([*fetch(-1), *outputs, *loss, *held]), tuple(key for key, _ in loss)))
+    steps.append(_turn(graph, gradients, fetch(-1)))
     recomputed = set()
     extras_present = [bool(graph.saved_extra_bytes[v] and plan.kept >> v & 1) for v in range(n)]
 
@@ -321,9 +314,7 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
             readers_left[u] -= 1
             release_if_done(u, frees)
         steps.append(Step(v, "backward", tuple(allocs), tuple(frees)))
-    # Parameter gradients outlive the step (the optimizer reads them); free them at the end for the tally.
-    steps.append(Step(-1, "backward", (), tuple([*(("param_grad", v) for v in range(n) if graph.param_bytes[v]),
-                                                 *(key for key, _ in held)])))
+    steps.append(_end(graph))
     return steps
 
 
@@ -463,20 +454,27 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
             steps.append(Step(-1, "forward" if t < n else "backward", (),
                               tuple(("value", u) for u in members(present & ~held_next))))
             present &= held_next
-    steps.append(Step(-1, "backward", (), tuple([*(("param_grad", v) for v in range(n) if graph.param_bytes[v]),
-                                                 *([("loss_held", -1)] if graph.loss_held_bytes else [])])))
+    steps.append(_end(graph))
     return steps
 
 
-def _turn(graph: Graph, gradients: "_Gradients") -> Step:
-    """From forward to backward: the loss's buffers and the gradients of the outputs come."""
+def _turn(graph: Graph, gradients: "_Gradients", fetched=()) -> Step:
+    """From forward to backward: the swapped values fetched at once, the loss's buffers and the loss's
+    gradients with respect to the outputs come; the loss's working buffers go, its value stays."""
     sinks = [v for v in range(len(graph)) if not graph.succs[v]]
     for v in sinks:
         gradients.hold(v, ("grad", v))
-    allocs = [(("grad", v), graph.mem_bytes[v]) for v in sinks]
+    allocs = [*fetched, *((("grad", v), graph.mem_bytes[v]) for v in sinks)]
     allocs += [(("loss", -1), graph.loss_bytes)] if graph.loss_bytes else []
-    allocs += [(("loss_held", -1), graph.loss_held_bytes)] if graph.loss_held_bytes else []
+    allocs += [(("loss_held", -1), graph.loss_held_bytes)] if graph.loss_held_bytes else []  # to the step's end
     return Step(-1, "backward", tuple(allocs), (("loss", -1),) if graph.loss_bytes else ())
+
+
+def _end(graph: Graph) -> Step:
+    """Parameter gradients outlive the step (the optimizer reads them), as does the loss's value: freed at
+    the end for the tally."""
+    return Step(-1, "backward", (), tuple([*(("param_grad", v) for v in range(len(graph)) if graph.param_bytes[v]),
+                                          *([("loss_held", -1)] if graph.loss_held_bytes else [])]))
 
 
 def _recompute_stage(graph, stage_discarded, s, present, readers_left, stages_left, release_if_done):
