@@ -71,6 +71,22 @@ def test_exact_dp_is_optimal_for_every_budget(graph):
     assert error.value.min_feasible_bytes == least_peak
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_dags(max_nodes=6), st.sampled_from(["approx_dp", "exact_dp"]), st.sampled_from(["tc", "mc"]))
+def test_judged_by_the_replay_every_peak_a_dp_gives_is_a_budget_it_accepts(graph, name, mode):
+    # The replay is not monotone in equation (2)'s budget: a looser one's plan can peak lower.
+    least = simulate(graph, solve(name, graph, mode=mode)).peak_bytes
+    for budget in sorted({simulate(graph, solve("exact_dp", graph, peak, **PAPER)).peak_bytes
+                          for peak, _ in every_chain(graph)} | {least}):
+        if budget < least:
+            with pytest.raises(InfeasibleBudget, match=f"minimal feasible budget is {least} bytes"):
+                solve(name, graph, budget, mode=mode)
+            continue
+        peak = simulate(graph, solve(name, graph, budget, mode=mode)).peak_bytes
+        assert peak <= budget
+        assert simulate(graph, solve(name, graph, peak, mode=mode)).peak_bytes <= peak
+
+
 @settings(max_examples=40, deadline=None)
 @given(small_dags(max_nodes=8), st.integers(1, 3), st.integers(1, 4))
 def test_the_passes_over_every_transition_do_not_depend_on_lanes_or_blocks(graph, lanes, block):
