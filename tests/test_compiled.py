@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
+from torchvision.ops import StochasticDepth
 
 import strategies
 from harness import nets, peers
@@ -39,12 +40,31 @@ def test_a_compiled_plan_computes_plain_pytorchs_step(net, strategy):
     assert_same_step_in_float64(model, reference, plan_step(traced, plan, x, loss_fn)(), reference_loss)
 
 
-def test_a_compiled_plan_replays_dropout_and_in_place_layers():
-    """Dropout on, in-place ReLUs, BatchNorm: the compiled plan's step equals compiled vanilla's from the same
-    seed (compiled dropout draws from decomposed random ops, so eager is no reference), with the recomputed
-    dropout masks drawn again from the saved RNG state."""
+class StochasticResidual(nn.Module):
+    """Residual blocks whose branch torchvision's StochasticDepth drops per sample (ConvNeXt's, Swin's)."""
+
+    def __init__(self, width=4, depth=4):
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.branches = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(inplace=True))
+            for _ in range(depth))
+        self.drop = nn.ModuleList(StochasticDepth(0.5, "row") for _ in range(depth))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for branch, drop in zip(self.branches, self.drop):
+            x = x + drop(branch(x))
+        return x.mean(dim=(2, 3))
+
+
+@pytest.mark.parametrize("make", [SkipToOutput, StochasticResidual], ids=["dropout", "stochastic_depth"])
+def test_a_compiled_plan_replays_random_and_in_place_layers(make):
+    """Dropout or stochastic depth on, in-place ReLUs, BatchNorm: the compiled plan's step equals compiled
+    vanilla's from the same seed (compiled random ops draw from decomposed kernels, so eager is no
+    reference), with the recomputed masks drawn again from the saved RNG state."""
     torch.manual_seed(0)
-    model = SkipToOutput().double()
+    model = make().double()
     for module in model.modules():
         if isinstance(module, nn.ReLU):
             module.inplace = True
@@ -54,7 +74,7 @@ def test_a_compiled_plan_replays_dropout_and_in_place_layers():
     traced = trace(model, x, loss_fn=loss_fn)
     plan = quarter_plan(traced.graph)
     recomputed = {traced.graph.names[v] for v in strategies.members(plan.recomputed)}
-    assert any(name in traced.random_nodes for name in recomputed), "a dropout is recomputed"
+    assert any(name in traced.random_nodes for name in recomputed), "a random layer is recomputed"
     torch.manual_seed(1)
     vanilla = compiled_step(reference, reference, x, loss_fn)
     torch.manual_seed(1)

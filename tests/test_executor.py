@@ -84,7 +84,7 @@ def assert_step_matches(model, x, loss_fn, reference, reference_loss, plan, trac
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         if q.grad is None:
             assert p.grad is None, name
-        else:
+        elif not torch.equal(p.grad, q.grad):  # equal first: assert_close takes seconds on VGG's 100M weights
             # Float32 tolerance at the gradient's scale: a plan's stage order changes the order in which
             # autograd sums the gradient contributions of a value read by several layers.
             scale = q.grad.abs().max().item()

@@ -118,6 +118,8 @@ def assert_same_step_in_float64(model, reference, loss, reference_loss):
     BatchNorm statistics (updated once)."""
     torch.testing.assert_close(loss, reference_loss.detach(), rtol=1e-10, atol=0)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if torch.equal(p.grad, q.grad):  # before assert_close, which takes seconds on VGG's 100M weights
+            continue
         scale = q.grad.abs().max().item()
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-7, atol=1e-9 * scale, msg=lambda m: f"{name}: {m}")
     for (name, b), r in zip(model.named_buffers(), reference.buffers()):

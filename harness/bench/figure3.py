@@ -74,6 +74,29 @@ def with_extrapolation(table: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
+def tc_against_chen(table: pd.DataFrame) -> list[str]:
+    """Per net, seed 004's claim tested: at twice vanilla's largest fitting batch, ``approx_dp`` (tc)'s time
+    over ``chen_sqrt``'s (the paper: tc 1.16x faster, a ratio of 0.86)."""
+    lines = []
+    for net, group in table.groupby("net"):
+        vanilla = group[(group.curve == "vanilla") & group.fits]
+        if vanilla.empty:
+            lines.append(f"{net}: vanilla fits no batch tried")
+            continue
+        batch = 2 * int(vanilla.batch.max())
+        at = {curve: group[(group.curve == curve) & (group.batch == batch) & group.fits & group.time.notna()]
+              for curve in ("approx_dp (tc)", "chen_sqrt")}
+        missing = [curve for curve, rows in at.items() if rows.empty]
+        if missing:
+            lines.append(f"{net}: at batch {batch} (twice vanilla's {batch // 2}) no fitting point of "
+                         f"{' and '.join(missing)}")
+            continue
+        tc, chen = (float(rows.time.iloc[0]) for rows in at.values())
+        lines.append(f"{net}: at batch {batch} (twice vanilla's {batch // 2}), tc/Chen = {tc / chen:.2f} "
+                     f"(tc {chen / tc:.2f}x faster; the paper: 1.16x)")
+    return lines
+
+
 def plot(table: pd.DataFrame, net: str, memory: int, device: str, device_name: str, caption: str,
          path: Path) -> None:
     group = table[table.net == net]
@@ -150,7 +173,9 @@ def main(argv=None) -> None:
         f"Made by `{command}` on {datetime.date.today()}; {device_name}. Time: {axis_label}. A point fits when "
         f"its run is `ok` and its measured peak is within {memory / 1e9:g} GB; `vs vanilla line` is its time "
         "over vanilla's straight-line fit at the same batch.\n\n"
+        + "".join(f"- {line}\n" for line in tc_against_chen(table)) + "\n"
         + table.to_markdown(index=False, floatfmt=".3g") + "\n")
+    print("\n".join(tc_against_chen(table)))
     print(f"figure 3: {args.out_stem}.md, .csv, " + ", ".join(f"{args.out_stem}_{n}.png" for n in names))
 
 

@@ -70,11 +70,14 @@ def largest_batch(fits_at: Callable[[int], bool], guess: int) -> int:
 
 
 def stored_row(net: str, strategy: str, batch: int, device: str, budget: int | None, options: dict,
-               rows_dir: Path) -> dict:
-    """The row a probe wrote earlier (``--from-rows``: a search re-read where its device is not at hand)."""
+               rows_dir: Path, required: bool = True) -> dict | None:
+    """The row a probe wrote earlier (``--from-rows``: a search re-read where its device is not at hand);
+    None when there is none and it is not ``required``."""
     path = stored_path(rows_dir, net, strategy, batch_size=batch, image_size=nets.spec(net).image_size,
                        device=device, budget_bytes=budget, options=options)
     if not path.exists():
+        if not required:
+            return None
         raise SystemExit(f"--from-rows: no row {path}; run the search where device {device} is")
     return read_row(path)
 
@@ -82,19 +85,20 @@ def stored_row(net: str, strategy: str, batch: int, device: str, budget: int | N
 def run_within(net: str, strategy: str, options: dict, batch: int, memory: int, device: str, rows_dir: Path,
                from_rows: bool = False, warmup_steps: int = 1, timed_steps: int = 3) -> dict:
     """The row of ``strategy`` at ``batch`` on a device of ``memory`` bytes (``cell_budget``). A plan given
-    the memory as its budget fills it by its own model, which leaves out a little (what layers save besides
-    node values, allocator rounding); where the run measures more than the memory, it runs once more with
-    the overshoot taken off the budget, as a user would."""
-    def probe(budget):
+    the memory as its budget fills it by the replay, which leaves out what the device adds (allocator
+    rounding, cuDNN's and cuBLAS's workspaces); where the run measures more than the memory, it runs once
+    more with the overshoot taken off the budget, as a user would. Rows stored before that retry existed
+    (the H100's Figure 3) have none: the first run's row stands."""
+    def probe(budget, required=True):
         if from_rows:
-            return stored_row(net, strategy, batch, device, budget, options, rows_dir)
+            return stored_row(net, strategy, batch, device, budget, options, rows_dir, required)
         return run_cell(net, strategy, batch_size=batch, device=device, budget=budget, options=options,
                         warmup_steps=warmup_steps, timed_steps=timed_steps, results_dir=rows_dir, resume=True)
 
     budget = cell_budget(strategy, options, memory)
     row = probe(budget)
     if budget is not None and row["status"] == "ok" and memory < row["measured_peak_bytes"] < 2 * memory:
-        row = probe(budget - (row["measured_peak_bytes"] - memory))
+        row = probe(budget - (row["measured_peak_bytes"] - memory), required=False) or row
     return row
 
 
