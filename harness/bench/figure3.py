@@ -169,13 +169,14 @@ def main(argv=None) -> None:
              Path(f"{args.out_stem}_{net}.png"))
     table.to_csv(args.out_stem.with_suffix(".csv"), index=False, float_format="%.4g")
     _, axis_label = time_axis(args.device)
+    claims = tc_against_chen(table)
     args.out_stem.with_suffix(".md").write_text(
         f"Made by `{command}` on {datetime.date.today()}; {device_name}. Time: {axis_label}. A point fits when "
         f"its run is `ok` and its measured peak is within {memory / 1e9:g} GB; `vs vanilla line` is its time "
         "over vanilla's straight-line fit at the same batch.\n\n"
-        + "".join(f"- {line}\n" for line in tc_against_chen(table)) + "\n"
+        + "".join(f"- {line}\n" for line in claims) + "\n"
         + table.to_markdown(index=False, floatfmt=".3g") + "\n")
-    print("\n".join(tc_against_chen(table)))
+    print("\n".join(claims))
     print(f"figure 3: {args.out_stem}.md, .csv, " + ", ".join(f"{args.out_stem}_{n}.png" for n in names))
 
 
