@@ -75,7 +75,9 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
     with torch.enable_grad():
         output = probe.run(example_input.to("meta").requires_grad_(False))
     loss_fn = loss_fn or sum_loss  # the executor's default
-    traced = probe.result(gm, *_gradients(probe, output, loss_fn))
+    shares, work = _gradients(probe, output, loss_fn)
+    peaks = _backward_peaks(meta_module, probe.group_of, example_input, loss_fn)
+    traced = probe.result(gm, shares, work, peaks)
     working, held = _loss_bytes(output, loss_fn)
     return dataclasses.replace(traced, graph=traced.graph.replace(loss_bytes=working, loss_held_bytes=held))
 
@@ -149,6 +151,71 @@ def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict]:
         shares[g] = [(preds, -1 if key in received.get(g, ()) else sizes[key])
                      for key, preds in by_storage.items() if key in received.get(g, ()) or len(preds) > 1]
     return shares, work
+
+
+def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], example_input: torch.Tensor,
+                    loss_fn) -> dict[int, int]:
+    """The most each layer's backward holds above what was live as it began (``Graph.backward_peak_bytes``),
+    seen in a plain training step on meta: the gradients it makes (working ones, its inputs', its
+    parameters') less what it frees on the way (its saved extras as each of its autograd nodes finishes,
+    the gradient it received). Forward values are held as if never freed: the replay decides when they go."""
+    from harness.measure import MemoryTracker
+
+    layers: dict[object, int] = {}  # autograd node -> the probe group whose layer call made it
+    values: set[int] = set()  # storages of IR nodes' values
+
+    class Claiming(fx.Interpreter):
+        def run_node(self, node: fx.Node):
+            result = super().run_node(node)
+            g = group_of.get(node.name)
+            if g is not None:
+                outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+                values.update(id(_storage(t)) for t in outputs)
+                stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+                while stack:
+                    fn = stack.pop()
+                    if fn not in layers and fn.name() != "torch::autograd::AccumulateGrad":
+                        layers[fn] = g
+                        stack += [f for f, _ in fn.next_functions if f is not None]
+            return result
+
+    class LayerPeaks(MemoryTracker):
+        def __init__(self, *args):
+            self.level = 0  # live bytes, forward values counted as never freed
+            self.layer, self.start = None, 0
+            self.peaks: dict[int, int] = {}
+            super().__init__(*args)
+
+        def _add(self, storage, part):
+            known = id(storage) in self.live
+            super()._add(storage, part)
+            if not known:
+                values.discard(id(storage))  # a new storage, wherever an old value's id is reused
+                self.level += storage.nbytes()
+                if self.layer is not None:
+                    self.peaks[self.layer] = max(self.peaks.get(self.layer, 0), self.level - self.start)
+
+        def _free(self, key):
+            size = self.live[key][0]
+            super()._free(key)
+            if key in values:
+                values.discard(key)
+            else:
+                self.level -= size
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self._count_sum()  # a sum the engine made after the last layer's node is that layer's
+            g = layers.get(torch._C._current_autograd_node())
+            if g is not None and g != self.layer:
+                self.layer, self.start = g, self.level
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    x = example_input.to("meta")
+    with torch.enable_grad(), LayerPeaks(module, (x,)) as tracker:
+        loss_fn(Claiming(module).run(x)).backward()
+    for p in module.parameters():
+        p.grad = None
+    return tracker.peaks
 
 
 def _loss_bytes(output, loss_fn) -> tuple[int, int]:
@@ -373,7 +440,8 @@ class _Probe(fx.Interpreter):
                 self.view_nodes.add(fn)
             stack += [f for f, _ in fn.next_functions if f is not None]
 
-    def result(self, gm: fx.GraphModule, shares: dict | None = None, work: dict | None = None) -> Traced:
+    def result(self, gm: fx.GraphModule, shares: dict | None = None, work: dict | None = None,
+               peaks: dict | None = None) -> Traced:
         # The probe may run a meta copy of gm: match nodes by name.
         position = {node.name: i for i, node in enumerate(gm.graph.nodes)}
         order = sorted(range(len(self.groups)), key=lambda g: position[self.groups[g]["final"].name])
@@ -401,6 +469,7 @@ class _Probe(fx.Interpreter):
                           if (kept := sorted(rank[h] for h in preds if (rank[h], rank[g]) in edges))] for g in order],
             backward_work_bytes=[(work or {}).get(g, 0) for g in order],
             recompute_state_bytes=[g["state"] for g in groups],
+            backward_peak_bytes=None if peaks is None else [peaks.get(g, 0) for g in order],
         )
         members = tuple(tuple(node.name for node in g["members"]) for g in groups)
         group_of = {name: i for i, names in enumerate(members) for name in names}

@@ -93,6 +93,10 @@ class Graph:
     ``recompute_state_bytes[v]`` is what a recomputation of ``v``'s layer holds while it runs besides its
     value and extras: the copies of the state the layer writes (BatchNorm's running statistics), put back
     after the call (``harness/execute.py``, NOTE [replaying side effects]); zero on hand-written graphs.
+    ``backward_peak_bytes[v]`` is the most the backward of ``v``'s layer holds above what was live as it
+    began: the gradients it makes less what it frees on the way (its saved extras, as each of its autograd
+    nodes finishes, and the gradient it received), forward values aside; measured in a plain step on a
+    traced graph, None on hand-written ones (NOTE [a layer's backward peak] in ``strategies/simulate.py``).
     """
 
     mem_bytes: tuple[int, ...]
@@ -110,6 +114,7 @@ class Graph:
     grad_shares: tuple[tuple[tuple[tuple[int, ...], int], ...], ...] | None = None
     backward_work_bytes: tuple[int, ...] | None = None
     recompute_state_bytes: tuple[int, ...] | None = None
+    backward_peak_bytes: tuple[int, ...] | None = None
     preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     pred_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -120,7 +125,7 @@ class Graph:
 
     def __init__(self, mem_bytes, cost, edges, names=None, kinds=None, backward_reads=None,
                  saved_extra_bytes=None, param_bytes=None, scopes=None, flops=None, loss_bytes=0, grad_shares=None,
-                 backward_work_bytes=None, loss_held_bytes=0, recompute_state_bytes=None):
+                 backward_work_bytes=None, loss_held_bytes=0, recompute_state_bytes=None, backward_peak_bytes=None):
         n = len(mem_bytes)
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
         put("mem_bytes", tuple(int(m) for m in mem_bytes))
@@ -164,6 +169,7 @@ class Graph:
         put("backward_work_bytes", tuple(int(b) for b in work))
         state = recompute_state_bytes if recompute_state_bytes is not None else [0] * n
         put("recompute_state_bytes", tuple(int(b) for b in state))
+        put("backward_peak_bytes", None if backward_peak_bytes is None else tuple(int(b) for b in backward_peak_bytes))
         _validate_backward(self)
         if self.loss_bytes < 0 or self.loss_held_bytes < 0:
             raise ValueError(f"Graph: loss_bytes and loss_held_bytes must not be negative, got {self.loss_bytes} "
@@ -211,7 +217,7 @@ class Graph:
         """A copy with some fields changed (the constructor's arguments)."""
         names = ("mem_bytes", "cost", "edges", "names", "kinds", "backward_reads", "saved_extra_bytes",
                  "param_bytes", "scopes", "flops", "loss_bytes", "grad_shares",
-                 "backward_work_bytes", "loss_held_bytes", "recompute_state_bytes")
+                 "backward_work_bytes", "loss_held_bytes", "recompute_state_bytes", "backward_peak_bytes")
         return Graph(**{name: fields.get(name, getattr(self, name)) for name in names})
 
     def mem(self, nodes: int) -> int:
@@ -253,6 +259,8 @@ def _validate_backward(graph: Graph) -> None:
                          "per node")
     if len(graph.grad_shares) != n or len(graph.backward_work_bytes) != n or len(graph.recompute_state_bytes) != n:
         raise ValueError("Graph: grad_shares, backward_work_bytes and recompute_state_bytes need one entry per node")
+    if graph.backward_peak_bytes is not None and len(graph.backward_peak_bytes) != n:
+        raise ValueError("Graph: backward_peak_bytes needs one entry per node (or None: not measured)")
     for v, shares in enumerate(graph.grad_shares):
         shared = [u for preds, _ in shares for u in preds]
         if len(set(shared)) != len(shared) or not set(shared) <= set(graph.preds[v]):

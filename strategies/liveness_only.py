@@ -69,13 +69,15 @@ def static_plan_bytes(graph: Graph, steps: list[Step], match_range: int = 16, in
     for step in steps:
         in_place = inplace and step.node >= 0 and graph.kinds[step.node] in INPLACE_KINDS
         made = {key for key, _ in step.allocs}
+        credits = {key for key, size in step.allocs if size < 0}  # what a layer's backward freed early: no buffer
         early = [key for key in step.frees if key not in made] if in_place else []  # a buffer made here goes after
         for key in early:
             release(key)
         for key, size in step.allocs:
-            slot_of[key] = _request(size, free, slot_size, match_range)
+            if key not in credits:
+                slot_of[key] = _request(size, free, slot_size, match_range)
         for key in step.frees:
-            if key not in early:
+            if key not in early and key not in credits:
                 release(key)
     return sum(slot_size)
 

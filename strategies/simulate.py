@@ -55,6 +55,21 @@ counted by Checkmate's accounting (``liveness=False``, ``strategies/schedule.py`
 ``Prediction``; ``timeline`` exposes the event list so that other
 analyses (the static memory plan of ``liveness_only``) read the very schedule the peak came from.
 
+NOTE [a layer's backward peak]
+The replay runs a layer's backward as one step: it makes the layer's gradients while it still holds
+everything the layer saved and its working gradients. A layer of one autograd node (a convolution) does
+just that. A layer of many (an attention: projections, two matmuls, a softmax, in one module) does not:
+each node frees what it saved as it finishes, and the last gradients come when most of the saved tensors
+are gone (ViT-B/16's attention holds 629 MB of saved tensors at batch 64; held to the end, the replay
+over-predicted the DPs' plans by 7%). ``Graph.backward_peak_bytes[v]``, measured per layer in a plain
+step on meta when the graph is traced, is the most the layer's backward holds above what was live as it
+began, forward values aside. Where the replay's step holds more than that, it carries an entry of negative
+size, ``held_less``, that brings the step down to the measured peak and goes with the step. The layer's
+working gradients never count for more than that peak either (``_working``), and they come before the
+layer's recomputation only when in-place members make them, reading the layer's own value (a ReLU after a
+convolution); an attention makes them after it reads what it saved, that is after its recomputation. On
+the seven CNNs no step changes; on the transformers the replay now gives the tracker's peak to the byte.
+
 NOTE [a schedule's replay]
 ``schedule_timeline`` counts a Checkmate schedule with the figures the stage replay counts: stage t
 computes its row in node order; a value goes after the last reader of its stage unless the next stage
@@ -279,22 +294,26 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
         if fetched:
             steps.append(Step(v, "swap_in", tuple(fetched), ()))
         reads = graph.backward_reads[v]
-        work = graph.backward_work_bytes[v]
+        work = _working(graph, v)
         if v in reads and not present[v]:
             recompute({stage_of[v]})
-        if work:
+        in_place_first = work and v in reads
+        held = 0
+        if in_place_first:
             # A layer's in-place members (a ReLU after its convolution) run their backward first: they
             # read the value they wrote, and turn the gradient received into a working one. The value's
             # last reading frees it, and the received gradient goes, before the first member's backward
             # reads the inputs, which may call for a recomputation. A member that hands its gradient
             # straight on (a ReLU after an addition) makes no working one: it reads its value while it
-            # makes what it hands on, below, like any other read.
+            # makes what it hands on, below, like any other read. A layer whose working gradients pass
+            # between other autograd nodes (an attention) makes them after it reads what it saved, and so
+            # after its recomputation: below, beside its other gradients.
             reads = [u for u in reads if u != v]
             early = []
             gradients.drop(v, early)
-            if v in graph.backward_reads[v]:
-                readers_left[v] -= 1
-                release_if_done(v, early)
+            held = work - sum(gradients.size[key] for key in early)
+            readers_left[v] -= 1
+            release_if_done(v, early)
             steps.append(Step(v, "backward", ((("work", v), work),), tuple(early)))
         missing = {stage_of[u] for u in reads if not present[u]}
         assert all(present[u] for u in reads if plan.swapped >> u & 1), \
@@ -305,6 +324,9 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
         allocs, frees = gradients.backward(v)
         if graph.param_bytes[v]:
             allocs.append((("param_grad", v), graph.param_bytes[v]))
+        if work and not in_place_first:
+            allocs.append((("work", v), work))
+        allocs += _held_less(graph, v, held + sum(size for _, size in allocs), frees)
         if work:
             frees.append(("work", v))
         if extras_present[v]:
@@ -329,8 +351,11 @@ class _Gradients:
         self.graph = graph
         self.buffer_of: dict[int, tuple] = {}  # node -> key of the buffer holding its gradient
         self.holders: dict[tuple, int] = {}  # buffer key -> how many nodes' gradients it holds
+        self.size: dict[tuple, int] = {}  # buffer key -> bytes
 
-    def hold(self, u: int, key: tuple):
+    def hold(self, u: int, key: tuple, size: int | None = None):
+        if size is not None:
+            self.size[key] = size
         self.buffer_of[u] = key
         self.holders[key] = self.holders.get(key, 0) + 1
 
@@ -358,6 +383,7 @@ class _Gradients:
             if key not in made and key not in self.holders:
                 made.add(key)
                 allocs.append((key, size))
+                self.size[key] = size
 
         for u in graph.preds[v]:
             key, size = handed.get(u, (("grad", u, v), graph.mem_bytes[u]))
@@ -402,20 +428,23 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
         held_next = held[t + 1] if t + 1 < size else 0
         row = computed[t]
         v = schedule.backward_node(n, t) if t >= n else -1
-        work = graph.backward_work_bytes[v] if v >= 0 else 0
-        in_place_done = not work
+        work = _working(graph, v) if v >= 0 else 0
+        in_place_done = not (work and v in graph.backward_reads[v])
+        held_by_members = 0  # what the in-place members hold when the rest of the layer's backward starts
 
         def in_place_members(after: int):
             """A layer's in-place members run their backward first, as in ``_backward``: as soon as the
             value they read is here, before the recomputations its other reads call for."""
+            nonlocal held_by_members
             early = []
             gradients.drop(v, early)
+            held_by_members = work - sum(gradients.size[key] for key in early)
             if present >> v & 1 and not held_next >> v & 1 and not read_later(row, v, after, but=t):
                 early.append(("value", v))
             steps.append(Step(v, "backward", ((("work", v), work),), tuple(early)))
             return sum(1 << key[1] for key in early if key[0] == "value")
 
-        if not in_place_done and (present >> v & 1 or v not in graph.backward_reads[v]):
+        if not in_place_done and present >> v & 1:
             present &= ~in_place_members(-1)
             in_place_done = True
         for k in members(row):
@@ -429,6 +458,9 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
                 allocs, frees = gradients.backward(v)
                 if graph.param_bytes[v]:
                     allocs.append((("param_grad", v), graph.param_bytes[v]))
+                if work and v not in graph.backward_reads[v]:  # made after what it saved is read
+                    allocs.append((("work", v), work))
+                allocs += _held_less(graph, v, held_by_members + sum(size for _, size in allocs), frees)
                 frees += [("value", i) for i in gone] + ([("work", v)] if work else [])
                 frees += [("extra", v)] if graph.saved_extra_bytes[v] else []
                 steps.append(Step(v, "backward", tuple(allocs), tuple(frees)))
@@ -458,12 +490,29 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
     return steps
 
 
+def _working(graph: Graph, v: int) -> int:
+    """The working gradients of ``v``'s in-place members (NOTE [a layer's backward peak])."""
+    peaks = graph.backward_peak_bytes
+    return graph.backward_work_bytes[v] if peaks is None else min(graph.backward_work_bytes[v], peaks[v])
+
+
+def _held_less(graph: Graph, v: int, held: int, frees: list) -> list:
+    """What ``v``'s layer has freed by its backward's peak that the replay still holds there (NOTE [a
+    layer's backward peak]), as an entry of negative size that the step's end gives back; ``held`` is
+    what the replay's backward of ``v`` holds then above what was live as it began, values aside."""
+    peaks = graph.backward_peak_bytes
+    if peaks is None or held <= peaks[v]:
+        return []
+    frees.append(("held_less", v))
+    return [(("held_less", v), peaks[v] - held)]
+
+
 def _turn(graph: Graph, gradients: "_Gradients", fetched=()) -> Step:
     """From forward to backward: the swapped values fetched at once, the loss's buffers and the loss's
     gradients with respect to the outputs come; the loss's working buffers go, its value stays."""
     sinks = [v for v in range(len(graph)) if not graph.succs[v]]
     for v in sinks:
-        gradients.hold(v, ("grad", v))
+        gradients.hold(v, ("grad", v), graph.mem_bytes[v])
     allocs = [*fetched, *((("grad", v), graph.mem_bytes[v]) for v in sinks)]
     allocs += [(("loss", -1), graph.loss_bytes)] if graph.loss_bytes else []
     allocs += [(("loss_held", -1), graph.loss_held_bytes)] if graph.loss_held_bytes else []  # to the step's end

@@ -14,7 +14,8 @@ from harness.trace import trace
 
 CORE = [("vanilla", {}), ("liveness_only", {}), ("chen_sqrt", {}), ("chen_greedy", {}),
         ("approx_dp", {"mode": "tc"}), ("approx_dp", {"mode": "mc"})]
-SIZES = {"unet": (1, 188), "pspnet": (1, 128)}  # net -> (batch, side); others at 2 x 64 x 64
+SIZES = {"unet": (1, 188), "pspnet": (1, 128), "vit_b_16": (2, 224), "gpt2": (2, 256)}  # net -> (batch, side or
+# sequence); others at 2 x 64 x 64
 
 
 def built(net):
@@ -58,8 +59,10 @@ def test_a_residual_addition_hands_its_gradient_to_both_branches():
     assert size == graph.mem_bytes[block]  # one new buffer (the ReLU's gradient) for both
 
 
-@pytest.mark.parametrize("net", nets.PAPER_NETS)
+@pytest.mark.parametrize("net", [*nets.PAPER_NETS, "vit_b_16", "gpt2"])
 def test_predicted_peak_is_the_measured_one_within_one_percent(net):
+    # On ViT-B/16 the DPs' plans peak in an attention layer's backward, whose autograd nodes free the
+    # layer's saved tensors one by one (NOTE [a layer's backward peak]): held to the end, +1.5% here.
     model, x, loss_fn, traced = built(net)
     for name, options in CORE:
         plan = strategies.solve(name, traced.graph, **options)

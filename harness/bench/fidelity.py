@@ -1,7 +1,7 @@
 """Does a prediction hold? ``python -m harness.bench.fidelity OUT_STEM [--rows DIR] [--nets a,b]``.
 
 Every strategy that makes a plan in the IR, on the seven nets of seed 004 at its batch and at four times
-it, on ``meta``: the simulator's predicted peak beside the tracker's measured one, and their gap
+it, and on the zoo's two transformers (ViT-B/16, GPT-2) at their batch and four times it, on ``meta``: the simulator's predicted peak beside the tracker's measured one, and their gap
 (``(measured - predicted) / measured``). Strategies that take a budget (the tc DPs, ``chen_greedy``,
 ``swap``) run again with one: halfway between the least memory ``approx_dp`` (mc) measured and
 ``vanilla``'s, and the row says whether the measured peak overshot it. One result row per run lands in
@@ -29,6 +29,7 @@ UNBUDGETED = [("vanilla", {}), ("liveness_only", {}), ("chen_sqrt", {}), ("chen_
               ("exact_dp", {"mode": "mc"}), ("torch_checkpoint_blocks", {}), ("torch_checkpoint_sequential", {}),
               ("swap", {})]
 BUDGETED = [("approx_dp", {"mode": "tc"}), ("exact_dp", {"mode": "tc"}), ("chen_greedy", {}), ("swap", {})]
+NETS = [*nets.PAPER_NETS, "vit_b_16", "gpt2"]
 
 
 def cells(net: str, batch: int, rows_dir: Path) -> list[dict]:
@@ -45,7 +46,7 @@ def cells(net: str, batch: int, rows_dir: Path) -> list[dict]:
 
 
 def table(rows: pd.DataFrame) -> tuple[pd.DataFrame, str]:
-    rows = rows[(rows.device == "meta") & rows.net.isin(nets.PAPER_NETS)].copy()
+    rows = rows[(rows.device == "meta") & rows.net.isin(NETS)].copy()
     out = []
     for row in rows.itertuples():
         measured, predicted, budget = row.measured_peak_bytes, row.predicted_peak_bytes, row.budget_bytes
@@ -79,7 +80,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m harness.bench.fidelity", description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="output path without suffix (.md and .csv are written)")
     parser.add_argument("--rows", type=Path, default=Path("results/rows_fidelity_meta"))
-    parser.add_argument("--nets", default=",".join(nets.PAPER_NETS))
+    parser.add_argument("--nets", default=",".join(NETS))
     args = parser.parse_args(argv)
     work = [(net, factor * nets.spec(net).batch_size) for net in args.nets.split(",") for factor in (1, 4)]
     for net, batch in tqdm(work, desc="fidelity", file=sys.stdout):
