@@ -166,12 +166,19 @@ def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], example_in
 
     class Claiming(fx.Interpreter):
         def run_node(self, node: fx.Node):
+            inputs = [t for t in tree_leaves([self.env[n] for n in node.all_input_nodes if n in self.env])
+                      if isinstance(t, torch.Tensor)]
+            versions = [t._version for t in inputs]
             result = super().run_node(node)
             g = group_of.get(node.name)
             if g is not None:
                 outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+                view = (all(id(_storage(t)) in values for t in outputs)
+                        and all(t._version == v for t, v in zip(inputs, versions)))
                 values.update(id(_storage(t)) for t in outputs)
-                stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+                # A view's backward (U-Net's crop, padding the gradient to the whole storage) runs as
+                # part of its reader's, where the replay makes the gradient it hands on.
+                stack = [] if view else [t.grad_fn for t in outputs if t.grad_fn is not None]
                 while stack:
                     fn = stack.pop()
                     if fn not in layers and fn.name() != "torch::autograd::AccumulateGrad":

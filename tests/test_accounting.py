@@ -121,7 +121,28 @@ def test_a_relu_after_an_addition_reads_its_value_while_it_makes_the_gradient_it
     assert measured == predicted
 
 
-@pytest.mark.parametrize("net", nets.PAPER_NETS)
+class CroppedSkip(nn.Module):
+    """U-Net's skip connection: a crop (a view) of one value, concatenated with another."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide, self.narrow = nn.Conv2d(3, 32, 3, padding=1), nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return torch.cat([self.wide(x)[:, :, 1:-1, 1:-1], self.narrow(x)], 1)
+
+
+def test_a_views_backward_is_measured_with_its_readers():
+    # The crop's backward pads its gradient to the whole value; it runs right after the concatenation's,
+    # and the replay makes that gradient in the concatenation's step. Measured as the crop's own, it was
+    # missing from the concatenation's backward peak, and the replay's step there went 2.1 MB too low.
+    model, x = CroppedSkip().to("meta"), torch.empty(8, 3, 64, 64, device="meta")
+    graph = trace(model, x).graph
+    cat, wide = graph.names.index("cat"), graph.names.index("wide")
+    assert graph.backward_peak_bytes[cat] >= graph.mem_bytes[wide]
+
+
+@pytest.mark.parametrize("net", [*nets.PAPER_NETS, "vit_b_16"])  # GPT-2: 0.12% apart, not yet explained
 def test_a_stage_plan_replayed_as_a_schedule_peaks_as_the_plan_does(net):
     # ilp_optimal's schedules are judged by schedule_timeline, which the executor never runs: on every
     # stage plan (written as a Checkmate schedule) it must give the stage replay's peak, the tracker's.
