@@ -49,7 +49,11 @@ class Plan:
     values copied to host memory after their last forward use and copied back for the backward pass;
     ``prefetch`` pairs each with the node whose backward starts its copy back (-1: when the backward pass
     starts). ``info`` carries figures a strategy reports besides its plan (for ``liveness_only``, the
-    static memory plan's size).
+    static memory plan's size). ``checkpointed`` (a bitset of stage indices) marks the stages that run as
+    ``torch.utils.checkpoint`` runs a block (the PyTorch peers' plans): nothing the stage's layers save
+    outlives its forward, its kept values serve the later stages alone, and its recomputation rebuilds
+    every value its own backward reads, kept ones too (NOTE [a checkpointed stage] in
+    ``strategies/simulate.py``).
     """
 
     strategy: str
@@ -61,11 +65,13 @@ class Plan:
     info: dict[str, float] = field(default_factory=dict)
     schedule: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     prefetch: tuple[tuple[int, int], ...] = ()
+    checkpointed: int = 0
 
     @classmethod
     def from_stages(cls, graph: Graph, stages: Iterable[Iterable[int] | int], *, strategy: str = "manual",
                     kept: Iterable[int] | int | None = None, budget_bytes: int | None = None,
-                    solve_time_s: float = 0.0, info: dict[str, float] | None = None) -> "Plan":
+                    solve_time_s: float = 0.0, info: dict[str, float] | None = None,
+                    checkpointed: int = 0) -> "Plan":
         """A plan from its stages; ``kept`` defaults to the canonical cache ``U_k`` (seed 004)."""
         masks = tuple(s if isinstance(s, int) else bits(s) for s in stages)
         if kept is None:
@@ -73,7 +79,7 @@ class Plan:
         else:
             kept_mask = kept if isinstance(kept, int) else bits(kept)
         plan = cls(strategy=strategy, stages=masks, kept=kept_mask, budget_bytes=budget_bytes,
-                   solve_time_s=solve_time_s, info=dict(info or {}))
+                   solve_time_s=solve_time_s, info=dict(info or {}), checkpointed=checkpointed)
         plan.validate(graph)
         return plan
 

@@ -46,15 +46,16 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
     if not options.blocks:
         raise ValueError("torch_checkpoint_blocks needs the net's blocks (module paths); the harness passes the "
                          "zoo's list, a direct caller gives blocks=(...)")
-    stages, previous = [], None
+    stages, previous, checkpointed = [], None, 0
     for v in range(len(graph)):
         block = block_of(graph.scopes[v], tuple(options.blocks))
         if block is not None and block == previous:
             stages[-1] |= 1 << v
         else:
             stages.append(1 << v)
+            checkpointed |= (block is not None) << (len(stages) - 1)
         previous = block
     plan = Plan.from_stages(graph, stages, strategy="torch_checkpoint_blocks", budget_bytes=budget_bytes,
-                            info={"runner": RUNNER, "blocks": len(options.blocks)})
+                            info={"runner": RUNNER, "blocks": len(options.blocks)}, checkpointed=checkpointed)
     check_budget(graph, plan, budget_bytes)
     return plan

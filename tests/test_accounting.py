@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
 import strategies
-from harness import nets
+from harness import nets, peers
 from harness.execute import execute
 from harness.measure import measure
 from harness.run import fixed_bytes
@@ -121,6 +121,22 @@ def test_a_relu_after_an_addition_reads_its_value_while_it_makes_the_gradient_it
     assert measured == predicted
 
 
+@pytest.mark.parametrize("net, batch, side, strategy", [
+    ("unet", 2, None, "torch_checkpoint_blocks"), ("resnet152", 8, 224, "torch_checkpoint_sequential"),
+    ("googlenet", 32, 224, "torch_checkpoint_sequential")])
+def test_a_peers_plan_predicts_what_torch_checkpoint_holds(net, batch, side, strategy):
+    # The peer runs torch.utils.checkpoint itself. It keeps nothing a block saves, and its recomputation
+    # rebuilds all of it, the block's output included, up to the last layer that saves (NOTE [a
+    # checkpointed stage]): predicted as the executor's plain stages, +5.4%, +3.0% and -4.6% here.
+    model, x, loss_fn = nets.build(net, batch, side, device="meta")
+    traced = trace(model, x, loss_fn=loss_fn)
+    structure = nets.structure(net, model)
+    plan = strategies.solve(strategy, traced.graph, **peers.zoo_options(strategy, structure))
+    measured = measure(peers.step(plan, model, structure, x, loss_fn), model, (x,), "meta").peak_bytes
+    predicted = strategies.simulate(traced.graph, plan).peak_bytes + fixed_bytes(model, x)
+    assert predicted == pytest.approx(measured, rel=0.01), (measured, predicted)
+
+
 class CroppedSkip(nn.Module):
     """U-Net's skip connection: a crop (a view) of one value, concatenated with another."""
 
@@ -142,7 +158,10 @@ def test_a_views_backward_is_measured_with_its_readers():
     assert graph.backward_peak_bytes[cat] >= graph.mem_bytes[wide]
 
 
-@pytest.mark.parametrize("net", [*nets.PAPER_NETS, "vit_b_16"])  # GPT-2: 0.12% apart, not yet explained
+# Not GPT-2: chen_greedy's stages there do not follow node order (the position embedding's before the token
+# embedding's), and a schedule runs its backwards in node order, not in the executor's (NOTE [a schedule's
+# replay]): 0.12% apart at the last two backwards.
+@pytest.mark.parametrize("net", [*nets.PAPER_NETS, "vit_b_16"])
 def test_a_stage_plan_replayed_as_a_schedule_peaks_as_the_plan_does(net):
     # ilp_optimal's schedules are judged by schedule_timeline, which the executor never runs: on every
     # stage plan (written as a Checkmate schedule) it must give the stage replay's peak, the tracker's.

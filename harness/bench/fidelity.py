@@ -67,7 +67,8 @@ def table(rows: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     lines = [f"- runs: {len(table)}; with a prediction and a measurement: {len(done)}; worst gap "
              f"{100 * done.gap.abs().max():.1f}%; gaps over 1%: {(done.gap.abs() > 0.01).sum()}; budget "
              f"overshoots: {(table.overshoot == 'yes').sum()} of {table['budget GB'].notna().sum()} budgeted runs",
-             f"- without the PyTorch peers (whose IR plans stand in for torch.utils.checkpoint's): worst gap "
+             f"- without the PyTorch peers (which run torch.utils.checkpoint itself, predicted by their IR "
+             f"plans' replay with checkpointed stages): worst gap "
              f"{100 * ours.gap.abs().max():.2f}%; gaps over 1%: {(ours.gap.abs() > 0.01).sum()} of {len(ours)}",
              "- the ten worst: " + "; ".join(f"{r['net']} b{r['batch']} {r['strategy']}"
                                              + (f" at {r['budget GB']:.2f} GB" if pd.notna(r["budget GB"]) else "")
