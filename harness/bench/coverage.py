@@ -94,7 +94,7 @@ def cover(name: str) -> dict:
         torch.manual_seed(0)
         model, x, loss_fn = _build(name, small, SMALL_BATCH, "cpu")
         switch_on_randomness(model)
-        traced = trace(model, x)
+        traced = trace(model, x, loss_fn=loss_fn)
     except Exception as error:  # the reason is the row's point
         row["reason"] = _reason(error)
         return row
@@ -128,7 +128,7 @@ def _reduction(name: str, side: int) -> dict:
     """vanilla and approx_dp (mc) measured on meta at the model's usual size."""
     try:
         model, x, loss_fn = _build(name, side, META_BATCH, "meta")
-        traced = trace(model, x)
+        traced = trace(model, x, loss_fn=loss_fn)  # the DP counts the loss's buffers it will run beside
         peaks = {}
         for label, strategy, options in (("vanilla", "vanilla", {}), ("approx_dp_mc", "approx_dp", {"mode": "mc"})):
             plan = strategies.solve(strategy, traced.graph, **options)
