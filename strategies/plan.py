@@ -141,6 +141,9 @@ class Plan:
         if seen != graph.all_nodes:
             v = members(graph.all_nodes & ~seen)[0]
             raise ValueError(f"Plan: node {v} ({graph.names[v]}) is in no stage; the stages must cover V")
+        if self.checkpointed >> len(self.stages):
+            raise ValueError(f"Plan: checkpointed names stage {self.checkpointed.bit_length() - 1}, but the plan has "
+                             f"{len(self.stages)} stages")
         if self.swapped & ~self.kept:
             v = members(self.swapped & ~self.kept)[0]
             raise ValueError(f"Plan: node {v} ({graph.names[v]}) is swapped but not kept; only a kept value can "

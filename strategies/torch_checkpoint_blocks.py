@@ -4,7 +4,8 @@ peer to judge the other strategies against).
 
 The harness runs the real thing (``harness/peers.py``) and fills ``blocks`` from the zoo's definition of
 the net. The plan here is its counterpart in the IR, for the prediction: one stage per block (the nodes
-whose ``Graph.scopes`` lie in it), every node outside a block a stage of its own; canonical cache.
+whose ``Graph.scopes`` lie in it), every node outside a block a stage of its own; canonical cache; the
+blocks' stages ``checkpointed``, so that the replay runs them as ``torch.utils.checkpoint`` does.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ The harness runs the real thing (``harness/peers.py``) over the zoo's ``sequence
 PyTorch splits it: ``len // segments`` steps a segment, every segment but the last under ``checkpoint``, the
 last taking the remainder and keeping its values. The plan here is its counterpart in the IR: one stage per
 segment (a node goes with the step its ``Graph.scopes`` lies in; a functional step's node, which has no
-module, with the latest of its inputs), the canonical cache, plus every value of the last segment.
+module, with the latest of its inputs), the canonical cache, plus every value of the last segment; every
+segment but the last ``checkpointed``, so that the replay runs them as ``torch.utils.checkpoint`` does.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pytest
 
 import strategies
 from harness import peers
-from strategies import Graph, InfeasibleBudget, Plan, bits, members, simulate, solve
+from strategies import Graph, InfeasibleBudget, Plan, members, simulate, solve
 from strategies.liveness_only import static_plan_bytes
 from strategies.simulate import timeline
 from test_graph import diamond
@@ -127,3 +127,10 @@ def test_every_strategy_is_deterministic_and_within_budget(name):
     if name != "ilp_optimal":  # its default budget is approx_dp's schedule's, not its own least (test_ilp)
         with pytest.raises(InfeasibleBudget):
             solve(name, g, peak - 1, **peer)
+
+
+def test_a_plan_names_only_its_own_stages_as_checkpointed():
+    graph = Graph(mem_bytes=[1, 1, 1], cost=[1, 1, 1], edges=[(0, 1), (1, 2)])
+    assert Plan.from_stages(graph, [[0], [1, 2]], checkpointed=0b01).checkpointed == 1
+    with pytest.raises(ValueError, match="checkpointed names stage 2, but the plan has 2 stages"):
+        Plan.from_stages(graph, [[0], [1, 2]], checkpointed=0b100)
