@@ -14,8 +14,8 @@ from harness.trace import trace
 
 CORE = [("vanilla", {}), ("liveness_only", {}), ("chen_sqrt", {}), ("chen_greedy", {}),
         ("approx_dp", {"mode": "tc"}), ("approx_dp", {"mode": "mc"})]
-SIZES = {"unet": (1, 188), "pspnet": (1, 128), "vit_b_16": (2, 224), "gpt2": (2, 256)}  # net -> (batch, side or
-# sequence); others at 2 x 64 x 64
+# net -> (batch, side or sequence); others at 2 x 64 x 64
+SIZES = {"unet": (1, 188), "pspnet": (1, 128), "vit_b_16": (2, 224), "gpt2": (2, 256)}
 
 
 def built(net):
@@ -151,7 +151,7 @@ class CroppedSkip(nn.Module):
 def test_a_views_backward_is_measured_with_its_readers():
     # The crop's backward pads its gradient to the whole value; it runs right after the concatenation's,
     # and the replay makes that gradient in the concatenation's step. Measured as the crop's own, it was
-    # missing from the concatenation's backward peak, and the replay's step there went 2.1 MB too low.
+    # missing from the concatenation's backward peak (0), and the replay's step there went 4.7 MB too low.
     model, x = CroppedSkip().to("meta"), torch.empty(8, 3, 64, 64, device="meta")
     graph = trace(model, x).graph
     cat, wide = graph.names.index("cat"), graph.names.index("wide")
