@@ -76,7 +76,7 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
         output = probe.run(example_input.to("meta").requires_grad_(False))
     loss_fn = loss_fn or sum_loss  # the executor's default
     shares, work = _gradients(probe, output, loss_fn)
-    peaks = _backward_peaks(meta_module, probe.group_of, example_input, loss_fn)
+    peaks = _backward_peaks(meta_module, probe.group_of, probe.view_names, example_input, loss_fn)
     traced = probe.result(gm, shares, work, peaks)
     working, held = _loss_bytes(output, loss_fn)
     return dataclasses.replace(traced, graph=traced.graph.replace(loss_bytes=working, loss_held_bytes=held))
@@ -153,7 +153,7 @@ def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict]:
     return shares, work
 
 
-def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], example_input: torch.Tensor,
+def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set[str], example_input: torch.Tensor,
                     loss_fn) -> dict[int, int]:
     """The most each layer's backward holds above what was live as it began (``Graph.backward_peak_bytes``),
     seen in a plain training step on meta: the gradients it makes (working ones, its inputs', its
@@ -166,24 +166,15 @@ def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], example_in
 
     class Claiming(fx.Interpreter):
         def run_node(self, node: fx.Node):
-            inputs = [t for t in tree_leaves([self.env[n] for n in node.all_input_nodes if n in self.env])
-                      if isinstance(t, torch.Tensor)]
-            versions = [t._version for t in inputs]
             result = super().run_node(node)
             g = group_of.get(node.name)
             if g is not None:
                 outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
-                view = (all(id(_storage(t)) in values for t in outputs)
-                        and all(t._version == v for t, v in zip(inputs, versions)))
                 values.update(id(_storage(t)) for t in outputs)
                 # A view's backward (U-Net's crop, padding the gradient to the whole storage) runs as
                 # part of its reader's, where the replay makes the gradient it hands on.
-                stack = [] if view else [t.grad_fn for t in outputs if t.grad_fn is not None]
-                while stack:
-                    fn = stack.pop()
-                    if fn not in layers and fn.name() != "torch::autograd::AccumulateGrad":
-                        layers[fn] = g
-                        stack += [f for f, _ in fn.next_functions if f is not None]
+                if node.name not in views:
+                    layers.update((fn, g) for fn in _new_autograd_nodes(outputs, layers))
             return result
 
     class LayerPeaks(MemoryTracker):
@@ -223,6 +214,19 @@ def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], example_in
     for p in module.parameters():
         p.grad = None
     return tracker.peaks
+
+
+def _new_autograd_nodes(outputs, known: dict) -> list:
+    """The autograd nodes a layer call made: those its outputs reach that are not ``known`` (an earlier
+    call's), parameters' accumulators aside."""
+    found, stack = [], [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn in known or fn in found or fn.name() == "torch::autograd::AccumulateGrad":
+            continue
+        found.append(fn)
+        stack += [f for f, _ in fn.next_functions if f is not None]
+    return found
 
 
 def _loss_bytes(output, loss_fn) -> tuple[int, int]:
@@ -350,6 +354,7 @@ class _Probe(fx.Interpreter):
         self._keep_alive = []  # meta tensors are free; holding them keeps storage ids unique
         self.autograd_group: dict[object, int] = {}  # autograd node -> the IR node whose layer made it
         self.view_nodes: set[object] = set()  # autograd nodes of views of an IR node's storage
+        self.view_names: set[str] = set()  # the fx nodes that are such views
 
     def _group(self, storage) -> int | None:
         entry = self.group_of_storage.get(id(storage))
@@ -406,7 +411,10 @@ class _Probe(fx.Interpreter):
             return  # no tensor, or a view of an input or parameter: not an IR node
         group = self.groups[g]
         group["members"].append(node)
-        self._claim(outputs, g, view=not new and not wrote_in_place)
+        view = not new and not wrote_in_place
+        if view:
+            self.view_names.add(node.name)
+        self._claim(outputs, g, view)
         if wrote_in_place:
             group["final"] = node
             others = [reader for h, reader in self.readers.get(g, {}).items() if h != g]
@@ -434,18 +442,13 @@ class _Probe(fx.Interpreter):
         self._keep_alive += saved
 
     def _claim(self, outputs, g: int, view: bool):
-        """Note the autograd nodes this layer call made (those its outputs reach that no earlier call made),
-        and those of a view of the IR node's storage (U-Net's crop), whose backward may build a gradient
-        of the whole storage out of the one it is handed."""
-        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-        while stack:
-            fn = stack.pop()
-            if fn in self.autograd_group or fn.name() == "torch::autograd::AccumulateGrad":
-                continue
+        """Note the autograd nodes this layer call made, and those of a view of the IR node's storage
+        (U-Net's crop), whose backward may build a gradient of the whole storage out of the one it is
+        handed."""
+        for fn in _new_autograd_nodes(outputs, self.autograd_group):
             self.autograd_group[fn] = g
             if view:
                 self.view_nodes.add(fn)
-            stack += [f for f, _ in fn.next_functions if f is not None]
 
     def result(self, gm: fx.GraphModule, shares: dict | None = None, work: dict | None = None,
                peaks: dict | None = None) -> Traced:

@@ -329,7 +329,8 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
             recomputed.add(s)
             nodes = members(plan.stages[s] & discarded) + [u + n for u in members(plan.stages[s] & rebuilt)]
             if plan.checkpointed >> s & 1:  # early stop: nothing after the last layer that saves
-                nodes = [w for w in nodes if w % n <= _last_saving(graph, plan.stages[s])]
+                last = _last_saving(graph, plan.stages[s])
+                nodes = [w for w in nodes if w % n <= last]
             nodes.sort(key=lambda w: w % n)
             steps.extend(_recompute_stage(graph, nodes, copy, s, present, readers_left, stages_left,
                                           release_if_done))
