@@ -148,6 +148,7 @@ class _Step:
         self.nodes = {n.name: n for n in self.traced.module.graph.nodes}
         self.modules = dict(self.traced.module.named_modules())
         self.reads_left = _last_uses(self.traced.module.graph)
+        self.order = self._stage_order()  # the forward's, and each recomputation's within its stage
         self.swapped = set(members(self.plan.swapped))
         self.packed: weakref.WeakSet[_Saved] = weakref.WeakSet()  # what the graph still holds, to drop on failure
         self.fetch_at: dict[int, list[int]] = {}  # trigger node (-1: end of forward) -> swapped groups
@@ -169,7 +170,7 @@ class _Step:
         module = self.traced.module
         self.static = {id(t.untyped_storage()) for t in list(module.parameters()) + list(module.buffers()) + list(inputs)}
         self.devices = {t.device for t in [*module.parameters(), *module.buffers(), *inputs]}
-        for node in self._stage_order():
+        for node in self.order:
             if node.op == "output":
                 return self._load(node.args[0])
             if node.op == "placeholder":  # an argument not given takes its default, as in fx.Interpreter
@@ -185,18 +186,28 @@ class _Step:
         which autograd's backward, which runs in reverse creation order, visits the stages one at a time
         from the last, as the canonical strategy does. A node never comes before its inputs; nodes outside
         the IR go with their latest input; a node that draws random numbers never before an earlier one
-        that draws (it goes with the later stage), so every draw sees plain PyTorch's generator state."""
-        stage_key, position = {}, {}
-        last_draw = -1
-        for index, node in enumerate(self.traced.module.graph.nodes):
+        that draws (it goes with the later stage), so every draw sees plain PyTorch's generator state.
+        A layer call that an in-place write of its IR node follows runs just before that write
+        (``_delayed``), so that an IR node's autograd nodes are made together, as the replay runs them."""
+        nodes = list(self.traced.module.graph.nodes)
+        delayed = _delayed(nodes, self.traced)
+        key, position = {}, {}
+        last_draw = (-1, -1)
+        for index, node in enumerate(nodes):
             position[node] = index
             g = self.traced.group_of.get(node.name)
-            own = len(self.plan.stages) if node.op == "output" else self.stage_of[g] if g is not None else -1
+            inputs = [key[n] for n in node.all_input_nodes]
+            if node.op == "output":
+                own = (len(self.plan.stages), index)
+            elif g is not None:
+                own = (self.stage_of[g], delayed.get(node.name, index))
+            else:
+                own = (max((stage for stage, _ in inputs), default=-1), index)
             # A view can read a shape computed in a later stage (U-Net's crops): then it waits for it.
-            stage_key[node] = max([own] + [stage_key[n] for n in node.all_input_nodes])
+            key[node] = max([own] + inputs)
             if node.name in self.traced.random_nodes:  # draws stay in program order: the same numbers
-                stage_key[node] = last_draw = max(stage_key[node], last_draw)
-        return sorted(position, key=lambda node: (stage_key[node], position[node]))
+                key[node] = last_draw = max(key[node], last_draw)
+        return sorted(nodes, key=lambda node: (key[node], position[node]))
 
     def _store(self, node: fx.Node, value):
         g = self.traced.group_of.get(node.name)
@@ -335,7 +346,7 @@ class _Step:
     def _recompute_stage(self, stage: int):
         groups = [g for g in members(self.plan.stages[stage]) if g in self.discarded]
         names = {name for g in groups for name in self.traced.members[g]}
-        order = [n for n in self.traced.module.graph.nodes if n.name in names]
+        order = [n for n in self.order if n.name in names]
         uses = _last_uses(self.traced.module.graph, within=names)
         # The values tokens will read stay to the end of the stage; any other goes after its last use here,
         # as the simulator frees it (a value no backward reads: a downsampling branch read by an addition).
@@ -508,6 +519,23 @@ def _pinned_pool(size: int) -> torch.Tensor:
     if pool is None or pool.numel() < size:
         _PINNED["pool"] = pool = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     return pool
+
+
+def _delayed(nodes: list[fx.Node], traced: Traced) -> dict[str, int]:
+    """For each member of an IR node that an in-place write of the same IR node follows, the position of
+    the first such write: the member runs just before it. torchvision's bottleneck computes ``bn3(conv3)``,
+    then its downsampling branch, then ``out += identity``; run in that order, autograd would make the
+    branch's nodes between the batch norm's and the addition's, and run the branch's backward in the middle
+    of the IR node's (NOTE [augmented assignments] in ``harness/trace.py``)."""
+    delayed, next_write = {}, {}
+    for index in reversed(range(len(nodes))):
+        name = nodes[index].name
+        g = traced.group_of.get(name)
+        if g is not None:
+            if name in traced.written_in_place:
+                next_write[g] = index
+            delayed[name] = next_write.get(g, index)
+    return delayed
 
 
 def _last_uses(graph: fx.Graph, within: set[str] | None = None) -> dict[str, int]:

@@ -23,12 +23,31 @@ another order.
 An in-place write to a value that a node of *another* IR node has already read (``y = x + 1;
 x.relu_()``) is refused: a recomputation of ``y`` would read the written ``x``, and one IR node per
 storage cannot hold both versions. The error names the module and the two calls.
+
+NOTE [augmented assignments]
+fx's own Proxy has no ``__iadd__``, so Python runs ``out += identity`` as ``out = out + identity``: a new
+buffer that the model never allocates (torchvision's bottleneck would hold one more feature map in every
+recomputation than the model does under ``torch.utils.checkpoint``). Our tracer records the augmented
+assignment itself (``operator.iadd``), and the program writes in place as the model does. Where the write
+cannot stay in place, the probe turns it back into fx's out-of-place operator before it runs, which is
+exactly what plain fx traces: when the target is not an IR node's value (an input, a parameter, a
+buffer, whose earlier readers a recomputation would rerun on the written tensor), or when another IR node
+has already read it (the refusal above). So tracing in place never refuses a model that fx traces.
+
+Written in place, ``bn3``'s output, ``+= identity`` and the ReLU are one IR node, and the downsampling
+branch the block computes between ``bn3`` and the addition sits between its members. Two things follow:
+- the executor runs ``bn3`` just before the addition (``_delayed`` in ``harness/execute.py``), so that
+  the IR node's autograd nodes are made together and its backward is not split by the branch's;
+- its backward starts with the in-place members, which hand the branch its gradient (the ReLU's, passed
+  on by the addition) before the batch norm's backward reads its input: ``Graph.early_grads``, which the
+  replay makes in the node's first backward step.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import operator
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -57,6 +76,7 @@ class Traced:
     group_of: dict[str, int]  # fx node name -> IR node, for the fx nodes that belong to one
     fx_node_count: int  # layer calls (fx nodes other than inputs, attributes and the output)
     random_nodes: frozenset[str] = frozenset()  # fx nodes that draw random numbers (the executor keeps their order)
+    written_in_place: frozenset[str] = frozenset()  # fx nodes that write their IR node's storage in place
 
 
 class TraceFailure(RuntimeError):
@@ -74,24 +94,30 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
     probe = _Probe(meta_module, cost_model)
     with torch.enable_grad():
         output = probe.run(example_input.to("meta").requires_grad_(False))
+    for node in gm.graph.nodes:  # the probe ran a copy: the same out-of-place turns here
+        if node.name in probe.out_of_place:
+            node.target = _AUGMENTED[node.target]
+    gm.recompile()
     loss_fn = loss_fn or sum_loss  # the executor's default
-    shares, work = _gradients(probe, output, loss_fn)
+    shares, work, early = _gradients(probe, output, loss_fn)
     peaks = _backward_peaks(meta_module, probe.group_of, probe.view_names, example_input, loss_fn)
-    traced = probe.result(gm, shares, work, peaks)
+    traced = probe.result(gm, shares, work, peaks, early)
     working, held = _loss_bytes(output, loss_fn)
     return dataclasses.replace(traced, graph=traced.graph.replace(loss_bytes=working, loss_held_bytes=held))
 
 
-def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict]:
-    """What each IR node's backward hands its predecessors (``Graph.grad_shares``) and the gradients it
-    works with on the way (``Graph.backward_work_bytes``), seen in a backward pass on meta: per autograd
-    node of the node's layer, the gradients it reads and makes, compared by storage with the gradient the
-    layer received and with those it passes to another IR node's autograd nodes."""
+def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict, dict]:
+    """What each IR node's backward hands its predecessors (``Graph.grad_shares``), the gradients it
+    works with on the way (``Graph.backward_work_bytes``) and the predecessors its in-place members hand a
+    gradient (``Graph.early_grads``), seen in a backward pass on meta: per autograd node of the node's
+    layer, the gradients it reads and makes, compared by storage with the gradient the layer received and
+    with those it passes to another IR node's autograd nodes."""
     leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     if not leaves:
-        return {}, {}
+        return {}, {}, {}
     received: dict[int, set[int]] = {}  # probe group -> storages of the gradient its backward started from
     handed: list[tuple[int, int, object, int]] = []  # (group, predecessor group, its autograd node, storage)
+    early: dict[int, set[int]] = {}  # group -> predecessor groups its in-place members hand a gradient
     through: dict[tuple[object, int], int] = {}  # (view's autograd node, storage in) -> storage out
     working: list[tuple[int, set[int]]] = []  # per autograd node run: its group, the gradients it reads and makes
     sizes: dict[int, int] = {}
@@ -115,6 +141,8 @@ def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict]:
                 h = probe.autograd_group.get(target)
                 if grad is not None and h is not None and h != g:
                     handed.append((g, h, target, _storage(grad)._cdata))
+                    if fn in probe.in_place_nodes:
+                        early.setdefault(g, set()).add(h)
                 elif grad is not None and h == g and not _to_parameters(target, probe.autograd_group):
                     inner.add(_storage(grad)._cdata)
             working.append((g, inner))
@@ -150,7 +178,7 @@ def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict]:
                 by_storage.setdefault(next(iter(storages)), []).append(h)
         shares[g] = [(preds, -1 if key in received.get(g, ()) else sizes[key])
                      for key, preds in by_storage.items() if key in received.get(g, ()) or len(preds) > 1]
-    return shares, work
+    return shares, work, early
 
 
 def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set[str], example_input: torch.Tensor,
@@ -278,9 +306,30 @@ def _on_meta(module: torch.nn.Module) -> bool:
     return all(t.device.type == "meta" for t in list(module.parameters()) + list(module.buffers()))
 
 
+# Each augmented assignment on a tensor, and the operator fx would have traced instead.
+_AUGMENTED = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+              operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv, operator.ipow: operator.pow}
+
+
+class _AugmentedProxy(fx.Proxy):
+    """A Proxy that records ``x += y`` as ``operator.iadd`` (NOTE [augmented assignments])."""
+
+
+for _op in _AUGMENTED:
+    setattr(_AugmentedProxy, f"__{_op.__name__}__",
+            lambda self, other, op=_op: self.tracer.create_proxy("call_function", op, (self, other), {}))
+
+
+class _Tracer(fx.Tracer):
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _AugmentedProxy(node, self)
+
+
 def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
     try:
-        return fx.symbolic_trace(model)
+        tracer = _Tracer()
+        graph = tracer.trace(model)
+        return fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as error:  # fx raises TraceError, but also TypeError/AttributeError from user code
         raise TraceFailure(_why_untraceable(model, error)) from error
 
@@ -355,6 +404,9 @@ class _Probe(fx.Interpreter):
         self.autograd_group: dict[object, int] = {}  # autograd node -> the IR node whose layer made it
         self.view_nodes: set[object] = set()  # autograd nodes of views of an IR node's storage
         self.view_names: set[str] = set()  # the fx nodes that are such views
+        self.in_place_nodes: set[object] = set()  # autograd nodes of in-place writes (a ReLU's, ``+=``'s)
+        self.in_place_names: set[str] = set()  # the fx nodes that make those writes
+        self.out_of_place: set[str] = set()  # augmented assignments that cannot write in place
 
     def _group(self, storage) -> int | None:
         entry = self.group_of_storage.get(id(storage))
@@ -367,6 +419,9 @@ class _Probe(fx.Interpreter):
                 self.static.update(id(_storage(t)) for t in tree_leaves(result) if isinstance(t, torch.Tensor))
             return result
         self.fx_count += 1
+        if node.target in _AUGMENTED and not self._may_write(node.args[0]):
+            node.target = _AUGMENTED[node.target]
+            self.out_of_place.add(node.name)
         saved = []
 
         def pack(t):
@@ -386,6 +441,15 @@ class _Probe(fx.Interpreter):
         wrote = any(t._version != v for t, v in zip(inputs, versions))
         self._record(node, result, saved, flops.get_total_flops(), wrote, state)
         return result
+
+    def _may_write(self, target) -> bool:
+        """Whether an augmented assignment may write ``target`` in place (NOTE [augmented assignments]):
+        it is an IR node's value that no other IR node has read yet."""
+        value = self.env.get(target) if isinstance(target, fx.Node) else target
+        if not isinstance(value, torch.Tensor):
+            return True  # a Python number: the operator is out of place anyway
+        g = self._group(_storage(value))
+        return g is not None and all(h == g for h in self.readers.get(g, {}))
 
     def _inputs(self, node: fx.Node):
         return [self.env[n] for n in node.all_input_nodes if n in self.env]
@@ -414,9 +478,10 @@ class _Probe(fx.Interpreter):
         view = not new and not wrote_in_place
         if view:
             self.view_names.add(node.name)
-        self._claim(outputs, g, view)
+        self._claim(outputs, g, view, wrote_in_place)
         if wrote_in_place:
             group["final"] = node
+            self.in_place_names.add(node.name)
             others = [reader for h, reader in self.readers.get(g, {}).items() if h != g]
             if others:
                 raise TraceFailure(
@@ -441,17 +506,19 @@ class _Probe(fx.Interpreter):
                 group["extra"] += _storage(t).nbytes()
         self._keep_alive += saved
 
-    def _claim(self, outputs, g: int, view: bool):
-        """Note the autograd nodes this layer call made, and those of a view of the IR node's storage
-        (U-Net's crop), whose backward may build a gradient of the whole storage out of the one it is
-        handed."""
+    def _claim(self, outputs, g: int, view: bool, in_place: bool):
+        """Note the autograd nodes this layer call made, those of a view of the IR node's storage (U-Net's
+        crop), whose backward may build a gradient of the whole storage out of the one it is handed, and
+        those of an in-place write, whose backward runs before the rest of the layer's."""
         for fn in _new_autograd_nodes(outputs, self.autograd_group):
             self.autograd_group[fn] = g
             if view:
                 self.view_nodes.add(fn)
+            if in_place:
+                self.in_place_nodes.add(fn)
 
     def result(self, gm: fx.GraphModule, shares: dict | None = None, work: dict | None = None,
-               peaks: dict | None = None) -> Traced:
+               peaks: dict | None = None, early: dict | None = None) -> Traced:
         # The probe may run a meta copy of gm: match nodes by name.
         position = {node.name: i for i, node in enumerate(gm.graph.nodes)}
         order = sorted(range(len(self.groups)), key=lambda g: position[self.groups[g]["final"].name])
@@ -480,11 +547,12 @@ class _Probe(fx.Interpreter):
             backward_work_bytes=[(work or {}).get(g, 0) for g in order],
             recompute_state_bytes=[g["state"] for g in groups],
             backward_peak_bytes=None if peaks is None else [peaks.get(g, 0) for g in order],
+            early_grads=[sorted(rank[h] for h in (early or {}).get(g, ()) if (rank[h], rank[g]) in edges) for g in order],
         )
         members = tuple(tuple(node.name for node in g["members"]) for g in groups)
         group_of = {name: i for i, names in enumerate(members) for name in names}
         return Traced(module=gm, graph=graph, members=members, group_of=group_of, fx_node_count=self.fx_count,
-                      random_nodes=frozenset(self.random_nodes))
+                      random_nodes=frozenset(self.random_nodes), written_in_place=frozenset(self.in_place_names))
 
 
 def _describe(node: fx.Node, module: torch.nn.Module) -> str:

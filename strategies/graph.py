@@ -97,6 +97,9 @@ class Graph:
     began: the gradients it makes less what it frees on the way (its saved extras, as each of its autograd
     nodes finishes, and the gradient it received), forward values aside; measured in a plain step on a
     traced graph, None on hand-written ones (NOTE [a layer's backward peak] in ``strategies/simulate.py``).
+    ``early_grads[v]`` are the predecessors whose gradient ``v``'s in-place members make, before the rest
+    of its layer's backward runs (torchvision's ``out += identity`` after a batch norm: the addition hands
+    the identity its gradient, then the batch norm's backward runs); empty on hand-written graphs.
     """
 
     mem_bytes: tuple[int, ...]
@@ -115,6 +118,7 @@ class Graph:
     backward_work_bytes: tuple[int, ...] | None = None
     recompute_state_bytes: tuple[int, ...] | None = None
     backward_peak_bytes: tuple[int, ...] | None = None
+    early_grads: tuple[tuple[int, ...], ...] | None = None
     preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     pred_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -125,7 +129,8 @@ class Graph:
 
     def __init__(self, mem_bytes, cost, edges, names=None, kinds=None, backward_reads=None,
                  saved_extra_bytes=None, param_bytes=None, scopes=None, flops=None, loss_bytes=0, grad_shares=None,
-                 backward_work_bytes=None, loss_held_bytes=0, recompute_state_bytes=None, backward_peak_bytes=None):
+                 backward_work_bytes=None, loss_held_bytes=0, recompute_state_bytes=None, backward_peak_bytes=None,
+                 early_grads=None):
         n = len(mem_bytes)
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
         put("mem_bytes", tuple(int(m) for m in mem_bytes))
@@ -170,6 +175,8 @@ class Graph:
         state = recompute_state_bytes if recompute_state_bytes is not None else [0] * n
         put("recompute_state_bytes", tuple(int(b) for b in state))
         put("backward_peak_bytes", None if backward_peak_bytes is None else tuple(int(b) for b in backward_peak_bytes))
+        early = early_grads if early_grads is not None else [()] * n
+        put("early_grads", tuple(tuple(sorted(int(u) for u in preds)) for preds in early))
         _validate_backward(self)
         if self.loss_bytes < 0 or self.loss_held_bytes < 0:
             raise ValueError(f"Graph: loss_bytes and loss_held_bytes must not be negative, got {self.loss_bytes} "
@@ -217,7 +224,7 @@ class Graph:
         """A copy with some fields changed (the constructor's arguments)."""
         names = ("mem_bytes", "cost", "edges", "names", "kinds", "backward_reads", "saved_extra_bytes",
                  "param_bytes", "scopes", "flops", "loss_bytes", "grad_shares",
-                 "backward_work_bytes", "loss_held_bytes", "recompute_state_bytes", "backward_peak_bytes")
+                 "backward_work_bytes", "loss_held_bytes", "recompute_state_bytes", "backward_peak_bytes", "early_grads")
         return Graph(**{name: fields.get(name, getattr(self, name)) for name in names})
 
     def mem(self, nodes: int) -> int:
@@ -266,6 +273,8 @@ def _validate_backward(graph: Graph) -> None:
         if len(set(shared)) != len(shared) or not set(shared) <= set(graph.preds[v]):
             raise ValueError(f"Graph: grad_shares[{v}] must name predecessors of node {v} ({graph.names[v]}), "
                              f"each at most once; got {shares}")
+    if len(graph.early_grads) != n or any(not set(e) <= set(graph.preds[v]) for v, e in enumerate(graph.early_grads)):
+        raise ValueError("Graph: early_grads needs one entry per node, each naming predecessors of the node")
     for v, reads in enumerate(graph.backward_reads):
         for u in reads:
             if u != v and u not in graph.preds[v]:

@@ -44,9 +44,11 @@ PyTorch's reference-counted autograd does):
   with in-place members (a ReLU after its convolution) first reads its own value and turns the gradient
   it received into working ones (``Graph.backward_work_bytes``); both may go before its inputs are read,
   and so before a recomputation that reading calls for (a ReLU after an addition makes no working
-  gradient: it reads its value while it makes the one it hands on). A stage none of whose discarded values is
-  read by a backward is not recomputed at all; ``overhead_cost`` still follows equation (1), which charges
-  every discarded value, so it is an upper bound on what the executor recomputes.
+  gradient: it reads its value while it makes the one it hands on); in-place members that hand a
+  gradient on (``out += identity`` written in place after a batch norm, ``Graph.early_grads``) make it
+  in that first step. A stage none of whose discarded values is read by a backward is not recomputed at
+  all; ``overhead_cost`` still follows equation (1), which charges every discarded value, so it is an
+  upper bound on what the executor recomputes.
 - swapped values (``plan.swapped``) leave the device after their last forward use, as if the copy to host
   kept up (``swap_step_time`` says whether it can), and come back when the backward of their
   ``prefetch`` node starts (or when the backward pass starts); from then on they are like kept values.
@@ -370,9 +372,10 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
         reads = [copy(u, v) for u in graph.backward_reads[v]]
         own = copy(v, v)  # the value v's in-place members read
         work = _working(graph, v)
+        early_preds = graph.early_grads[v]
         if own in reads and not present[own]:
             recompute({stage_of[v]})
-        in_place_first = work and own in reads
+        in_place_first = (work or early_preds) and own in reads
         held = 0
         if in_place_first:
             # A layer's in-place members (a ReLU after its convolution) run their backward first: they
@@ -383,20 +386,21 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
             # makes what it hands on, below, like any other read. A layer whose working gradients pass
             # between other autograd nodes (an attention) makes them after it reads what it saved, and so
             # after its recomputation: below, beside its other gradients.
+            # In-place members that hand a gradient on (``out += identity`` after a batch norm, then a
+            # ReLU) make it here too (``Graph.early_grads``), before the rest of the layer reads its inputs.
             reads = [u for u in reads if u != own]
-            early = []
-            gradients.drop(v, early)
-            held = work - sum(gradients.size[key] for key in early)
+            handed, early = gradients.backward(v, early_preds)
+            held = work + sum(size for _, size in handed) - sum(gradients.size[key] for key in early)
             readers_left[own] -= 1
             release_if_done(own, early)
-            steps.append(Step(v, "backward", ((("work", v), work),), tuple(early)))
+            steps.append(Step(v, "backward", tuple(handed + ([(("work", v), work)] if work else [])), tuple(early)))
         missing = {stage_of[u % n] for u in reads if not present[u]}
         assert all(present[u] for u in reads if plan.swapped >> u & 1), \
             f"simulator: the backward of node {v} reads a swapped value before its prefetch"
         if graph.saved_extra_bytes[v] and not extras_present[v]:
             missing.add(stage_of[v])
         recompute(missing)
-        allocs, frees = gradients.backward(v)
+        allocs, frees = gradients.backward(v, [u for u in graph.preds[v] if not in_place_first or u not in early_preds])
         if graph.param_bytes[v]:
             allocs.append((("param_grad", v), graph.param_bytes[v]))
         if work and not in_place_first:
@@ -442,9 +446,10 @@ class _Gradients:
                 del self.holders[key]
                 frees.append(key)
 
-    def backward(self, v: int) -> tuple[list, list]:
-        """The backward of ``v``: the buffers it allocates, then those it frees (its own gradient's, unless
-        handed on, and every contribution summed away)."""
+    def backward(self, v: int, only=None) -> tuple[list, list]:
+        """The backward of ``v``, or of the part of its layer that makes the gradients of the predecessors
+        ``only``: the buffers it allocates, then those it frees (its own gradient's, unless handed on, and
+        every contribution summed away)."""
         graph = self.graph
         handed = {}  # predecessor -> (buffer key, bytes; -1: v's own gradient's buffer)
         for i, (preds, size) in enumerate(graph.grad_shares[v]):
@@ -460,7 +465,7 @@ class _Gradients:
                 allocs.append((key, size))
                 self.size[key] = size
 
-        for u in graph.preds[v]:
+        for u in graph.preds[v] if only is None else only:
             key, size = handed.get(u, (("grad", u, v), graph.mem_bytes[u]))
             old = self.buffer_of.get(u)
             if old is None:
@@ -504,19 +509,19 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
         row = computed[t]
         v = schedule.backward_node(n, t) if t >= n else -1
         work = _working(graph, v) if v >= 0 else 0
-        in_place_done = not (work and v in graph.backward_reads[v])
+        early_preds = graph.early_grads[v] if v >= 0 else ()
+        in_place_done = not ((work or early_preds) and v in graph.backward_reads[v])
         held_by_members = 0  # what the in-place members hold when the rest of the layer's backward starts
 
         def in_place_members(after: int):
             """A layer's in-place members run their backward first, as in ``_backward``: as soon as the
             value they read is here, before the recomputations its other reads call for."""
             nonlocal held_by_members
-            early = []
-            gradients.drop(v, early)
-            held_by_members = work - sum(gradients.size[key] for key in early)
+            handed, early = gradients.backward(v, early_preds)
+            held_by_members = work + sum(size for _, size in handed) - sum(gradients.size[key] for key in early)
             if present >> v & 1 and not held_next >> v & 1 and not read_later(row, v, after, but=t):
                 early.append(("value", v))
-            steps.append(Step(v, "backward", ((("work", v), work),), tuple(early)))
+            steps.append(Step(v, "backward", tuple(handed + ([(("work", v), work)] if work else [])), tuple(early)))
             return sum(1 << key[1] for key in early if key[0] == "value")
 
         if not in_place_done and present >> v & 1:
@@ -530,7 +535,9 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
                                      "computes each gradient once (ilp_optimal's MILP is built so)")
                 assert in_place_done, f"schedule: the backward of node {v} without its value"
                 present &= ~sum(1 << i for i in gone)
-                allocs, frees = gradients.backward(v)
+                in_place_first = (work or early_preds) and v in graph.backward_reads[v]
+                allocs, frees = gradients.backward(v, [u for u in graph.preds[v]
+                                                       if not in_place_first or u not in early_preds])
                 if graph.param_bytes[v]:
                     allocs.append((("param_grad", v), graph.param_bytes[v]))
                 if work and v not in graph.backward_reads[v]:  # made after what it saved is read

@@ -188,6 +188,47 @@ def test_a_write_to_a_value_another_layer_has_read_is_refused_with_its_place():
         trace(Overwrites(), torch.randn(2, 4))
 
 
+class Augmented(nn.Module):
+    """Augmented assignments: in place where the model writes in place, out of place where the write
+    cannot stay in place (a value another layer read first; the input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        x += 1.0  # the caller's tensor: out of place, as plain fx traces it
+        h = self.a(x)
+        h += self.b(x)
+        h *= 0.5
+        h -= torch.tanh(self.c(x))
+        h /= 2.0
+        seen = h * 2.0  # read by another layer (which saves nothing: the model itself may write h) ...
+        h += 1.0  # ... so this write goes out of place
+        return self.d(h) + seen
+
+
+def test_augmented_assignments_write_in_place_where_they_can():
+    # NOTE [augmented assignments]: ``h += self.b(x)`` is one IR node with ``self.a``'s output, written in
+    # place as the model writes it, not a new buffer; exact under recomputation either way.
+    import operator
+
+    torch.manual_seed(0)
+    model, x = Augmented(), torch.randn(8, 8)
+    traced = trace(model, x)
+    targets = {node.name: node.target for node in traced.module.graph.nodes if node.op == "call_function"}
+    in_place = [name for name, target in targets.items() if target in (operator.iadd, operator.imul, operator.isub,
+                                                                           operator.itruediv)]
+    assert len(in_place) == 4 and all(traced.group_of[name] == traced.group_of["a"] for name in in_place)
+    assert targets["iadd"] is operator.add and targets["iadd_2"] is operator.add  # the input's, the read value's
+    for plan in (strategies.Plan.from_stages(traced.graph, [strategies.bits([v]) for v in range(len(traced.graph))]),
+                 strategies.solve("chen_sqrt", traced.graph)):
+        loss_fn = lambda out: out.square().sum()  # noqa: E731
+        # Each run gets its own input: the model's first line writes the caller's tensor.
+        difference = compare(model, x.clone(), loss_fn, lambda: execute(traced, plan, x.clone(), loss_fn=loss_fn))
+        assert difference.exact, difference
+
+
 def test_data_dependent_control_flow_names_the_module_and_the_construct():
     class Gate(nn.Module):
         def forward(self, x):
