@@ -41,6 +41,7 @@ def measured_peaks(rows: pd.DataFrame, net: str) -> dict[tuple[str, str], float]
         return {}
     cells = rows[(rows.net == net) & (rows.status == "ok") & (rows.device == "meta") & rows.budget_bytes.isna()
                  & (rows.batch_size == nets.spec(net).batch_size)]
+    cells = cells[[o.get("memory_model") != "paper" for o in cells.options]]  # Table 2's plans, not these
     return {(r.strategy, r.options.get("mode", "")): r.measured_peak_bytes for r in cells.itertuples()}
 
 

@@ -99,9 +99,14 @@ PAPER_ORDER = ("approx_dp (mc)", "approx_dp (tc)", "exact_dp (mc)", "exact_dp (t
 
 
 def _latest_cells(rows: pd.DataFrame, device: str) -> dict[tuple[str, str], pd.Series]:
-    """The newest row of each (net, label) on ``device`` at the net's paper sizes and the minimal budget."""
+    """The newest eager row of each (net, label) on ``device`` at the net's paper sizes and the minimal
+    budget (a compiled step is another program: the frontier's compiled points stay out of seed 004's
+    tables)."""
     cells = {}
-    for _, row in rows[rows.device == device].sort_values("timestamp").iterrows():
+    eager = rows[rows.device == device]
+    if "compiled" in eager:
+        eager = eager[eager.compiled.fillna(False).astype(bool) == False]  # noqa: E712 (a column of bools)
+    for _, row in eager.sort_values("timestamp").iterrows():
         spec = nets.spec(row.net)
         if (row.batch_size, row.image_size, row.cost_model) != (spec.batch_size, spec.image_size, "paper"):
             continue
