@@ -227,6 +227,9 @@ def test_augmented_assignments_write_in_place_where_they_can():
         # Each run gets its own input: the model's first line writes the caller's tensor.
         difference = compare(model, x.clone(), loss_fn, lambda: execute(traced, plan, x.clone(), loss_fn=loss_fn))
         assert difference.exact, difference
+    # On meta the probe runs the module itself, not a copy: the same program.
+    on_meta = trace(Augmented().to("meta"), x.to("meta"))
+    assert [n.target for n in on_meta.module.graph.nodes] == [n.target for n in traced.module.graph.nodes]
 
 
 def test_data_dependent_control_flow_names_the_module_and_the_construct():
