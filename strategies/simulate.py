@@ -372,10 +372,9 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
         reads = [copy(u, v) for u in graph.backward_reads[v]]
         own = copy(v, v)  # the value v's in-place members read
         work = _working(graph, v)
-        early_preds = graph.early_grads[v]
         if own in reads and not present[own]:
             recompute({stage_of[v]})
-        in_place_first = (work or early_preds) and own in reads
+        in_place_first = _in_place_first(graph, v, work)
         held = 0
         if in_place_first:
             # A layer's in-place members (a ReLU after its convolution) run their backward first: they
@@ -389,18 +388,17 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
             # In-place members that hand a gradient on (``out += identity`` after a batch norm, then a
             # ReLU) make it here too (``Graph.early_grads``), before the rest of the layer reads its inputs.
             reads = [u for u in reads if u != own]
-            handed, early = gradients.backward(v, early_preds)
-            held = work + sum(size for _, size in handed) - sum(gradients.size[key] for key in early)
+            made, early, held = gradients.in_place_members(v, work)
             readers_left[own] -= 1
             release_if_done(own, early)
-            steps.append(Step(v, "backward", tuple(handed + ([(("work", v), work)] if work else [])), tuple(early)))
+            steps.append(Step(v, "backward", tuple(made), tuple(early)))
         missing = {stage_of[u % n] for u in reads if not present[u]}
         assert all(present[u] for u in reads if plan.swapped >> u & 1), \
             f"simulator: the backward of node {v} reads a swapped value before its prefetch"
         if graph.saved_extra_bytes[v] and not extras_present[v]:
             missing.add(stage_of[v])
         recompute(missing)
-        allocs, frees = gradients.backward(v, [u for u in graph.preds[v] if not in_place_first or u not in early_preds])
+        allocs, frees = gradients.backward(v, _after_members(graph, v) if in_place_first else None)
         if graph.param_bytes[v]:
             allocs.append((("param_grad", v), graph.param_bytes[v]))
         if work and not in_place_first:
@@ -445,6 +443,14 @@ class _Gradients:
             if not self.holders[key]:
                 del self.holders[key]
                 frees.append(key)
+
+    def in_place_members(self, v: int, work: int) -> tuple[list, list, int]:
+        """The first backward step of ``v``'s in-place members (``_in_place_first``): the gradients they
+        hand on (``Graph.early_grads``) and their working ones, then what they free (the gradient received);
+        and what they hold as the rest of the layer's backward starts, above what was live as it began."""
+        handed, frees = self.backward(v, self.graph.early_grads[v])
+        held = work + sum(size for _, size in handed) - sum(self.size[key] for key in frees)
+        return handed + ([(("work", v), work)] if work else []), frees, held
 
     def backward(self, v: int, only=None) -> tuple[list, list]:
         """The backward of ``v``, or of the part of its layer that makes the gradients of the predecessors
@@ -509,19 +515,18 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
         row = computed[t]
         v = schedule.backward_node(n, t) if t >= n else -1
         work = _working(graph, v) if v >= 0 else 0
-        early_preds = graph.early_grads[v] if v >= 0 else ()
-        in_place_done = not ((work or early_preds) and v in graph.backward_reads[v])
+        in_place_first = v >= 0 and _in_place_first(graph, v, work)
+        in_place_done = not in_place_first
         held_by_members = 0  # what the in-place members hold when the rest of the layer's backward starts
 
         def in_place_members(after: int):
             """A layer's in-place members run their backward first, as in ``_backward``: as soon as the
             value they read is here, before the recomputations its other reads call for."""
             nonlocal held_by_members
-            handed, early = gradients.backward(v, early_preds)
-            held_by_members = work + sum(size for _, size in handed) - sum(gradients.size[key] for key in early)
+            made, early, held_by_members = gradients.in_place_members(v, work)
             if present >> v & 1 and not held_next >> v & 1 and not read_later(row, v, after, but=t):
                 early.append(("value", v))
-            steps.append(Step(v, "backward", tuple(handed + ([(("work", v), work)] if work else [])), tuple(early)))
+            steps.append(Step(v, "backward", tuple(made), tuple(early)))
             return sum(1 << key[1] for key in early if key[0] == "value")
 
         if not in_place_done and present >> v & 1:
@@ -535,9 +540,7 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
                                      "computes each gradient once (ilp_optimal's MILP is built so)")
                 assert in_place_done, f"schedule: the backward of node {v} without its value"
                 present &= ~sum(1 << i for i in gone)
-                in_place_first = (work or early_preds) and v in graph.backward_reads[v]
-                allocs, frees = gradients.backward(v, [u for u in graph.preds[v]
-                                                       if not in_place_first or u not in early_preds])
+                allocs, frees = gradients.backward(v, _after_members(graph, v) if in_place_first else None)
                 if graph.param_bytes[v]:
                     allocs.append((("param_grad", v), graph.param_bytes[v]))
                 if work and v not in graph.backward_reads[v]:  # made after what it saved is read
@@ -570,6 +573,17 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
             present &= held_next
     steps.append(_end(graph))
     return steps
+
+
+def _in_place_first(graph: Graph, v: int, work: int) -> bool:
+    """Whether ``v``'s in-place members run their backward as a step of its own, before the rest of the
+    layer's: they read ``v``'s value and make working gradients or hand gradients on."""
+    return bool(work or graph.early_grads[v]) and v in graph.backward_reads[v]
+
+
+def _after_members(graph: Graph, v: int) -> list[int]:
+    """The predecessors whose gradients the rest of ``v``'s layer makes, after its in-place members."""
+    return [u for u in graph.preds[v] if u not in graph.early_grads[v]]
 
 
 def _working(graph: Graph, v: int) -> int:
