@@ -94,10 +94,11 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
     probe = _Probe(meta_module, cost_model)
     with torch.enable_grad():
         output = probe.run(example_input.to("meta").requires_grad_(False))
-    for node in gm.graph.nodes:  # where the probe ran a copy, the same out-of-place turns here
-        if node.name in probe.out_of_place:
-            node.target = _AUGMENTED.get(node.target, node.target)
-    gm.recompile()
+    if probe.out_of_place:  # where the probe ran a copy, the same out-of-place turns here
+        for node in gm.graph.nodes:
+            if node.name in probe.out_of_place:
+                node.target = _AUGMENTED.get(node.target, node.target)
+        gm.recompile()
     loss_fn = loss_fn or sum_loss  # the executor's default
     shares, work, early = _gradients(probe, output, loss_fn)
     peaks = _backward_peaks(meta_module, probe.group_of, probe.view_names, example_input, loss_fn)

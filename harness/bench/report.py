@@ -105,7 +105,7 @@ def _latest_cells(rows: pd.DataFrame, device: str) -> dict[tuple[str, str], pd.S
     cells = {}
     eager = rows[rows.device == device]
     if "compiled" in eager:
-        eager = eager[eager.compiled.fillna(False).astype(bool) == False]  # noqa: E712 (a column of bools)
+        eager = eager[~eager.compiled.fillna(False).astype(bool)]
     for _, row in eager.sort_values("timestamp").iterrows():
         spec = nets.spec(row.net)
         if (row.batch_size, row.image_size, row.cost_model) != (spec.batch_size, spec.image_size, "paper"):
