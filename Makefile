@@ -7,7 +7,19 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --editable '.[dev]'
 	touch $@
 
-.PHONY: run test
+# The packages a GPU node without a registry lacks beside its torch, torchvision, timm, numba, pandas,
+# matplotlib and nvidia-ml-py (README: a GPU node without a registry), as wheels for Python 3.12 on x86-64.
+WHEELS := .whl
+$(WHEELS)/.ready:
+	python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $(WHEELS) \
+		hydra-core==1.3.2 omegaconf==2.3.0 segmentation-models-pytorch==0.6.0 tabulate==0.10.0 highspy==1.16.0
+	python3 -m pip wheel --quiet --no-deps -w $(WHEELS) antlr4-python3-runtime==4.9.3  # a source release only
+	touch $@
+
+.PHONY: run test wheels
+wheels: $(WHEELS)/.ready
+
 run: $(VENV)/.installed
 	$(PY) -m harness +net=resnet50 +strategy=vanilla
 

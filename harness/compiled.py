@@ -81,7 +81,11 @@ def marked_module(traced: Traced) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     last_writer = {name: v for v, name in enumerate(traced.graph.names)}  # an IR node is named after it
+    grad_on = True
     for node in traced.module.graph.nodes:
+        if node.meta.get("no_grad", False) == grad_on:  # the model's grad mode changes (NOTE [grad mode] in trace.py)
+            grad_on = not grad_on
+            graph.call_function(torch._C._set_grad_enabled, (grad_on,))
         copied = graph.node_copy(node, lambda n: env[n])
         if node.name in last_writer:
             copied = graph.call_function(_mark_tensors, (copied, last_writer[node.name]))

@@ -29,7 +29,10 @@ layer is. Both are done by mechanism, with no list of layer types:
   buffers among its inputs, for a function or method) copied first and put back after: BatchNorm's
   running statistics and batch count, through a module or ``F.batch_norm``, or any module that counts or
   averages, are updated once per step. (Neither version counters nor op schemas tell: ``native_batch_norm``
-  writes its running statistics without declaring it.)
+  writes its running statistics without declaring it.) A write to state by a node of its own
+  (``self.steps.add_(1)``) is outside the IR and runs once, in the forward pass (NOTE [state the forward
+  writes] in ``harness/trace.py``).
+- Grad mode. A node the model ran under ``no_grad`` runs under it here too (NOTE [grad mode] there).
 - In-place ops. A recomputation under ``no_grad`` runs any in-place op as it is. A layer rerun with
   autograd on, to collect what it saves besides node values, gets inputs that are fresh non-leaf aliases
   of the recomputed values (``_Fresh``), one per fx input, so ``inplace=True`` modules, ``F.*(...,
@@ -61,7 +64,7 @@ from torch.utils._pytree import tree_leaves
 
 from harness.measure import on_host
 from harness.nets import sum_loss
-from harness.trace import Traced, written_state
+from harness.trace import Traced, grad_mode, written_state
 from strategies import Plan, members
 
 
@@ -446,11 +449,12 @@ class _Step:
     def _call(self, node: fx.Node, args, kwargs):
         if node.op == "get_attr":
             return _fetch_attr(self.traced.module, node.target)
-        if node.op == "call_function":
-            return node.target(*args, **kwargs)
-        if node.op == "call_method":
-            return getattr(args[0], node.target)(*args[1:], **kwargs)
-        return self.modules[node.target](*args, **kwargs)
+        with grad_mode(node):
+            if node.op == "call_function":
+                return node.target(*args, **kwargs)
+            if node.op == "call_method":
+                return getattr(args[0], node.target)(*args[1:], **kwargs)
+            return self.modules[node.target](*args, **kwargs)
 
 
 _EXTRAS_ONLY = object()  # a recomputed group whose value no token reads any more (its extras may be)

@@ -41,10 +41,32 @@ branch the block computes between ``bn3`` and the addition sits between its memb
 - its backward starts with the in-place members, which hand the branch its gradient (the ReLU's, passed
   on by the addition) before the batch norm's backward reads its input: ``Graph.early_grads``, which the
   replay makes in the node's first backward step.
+
+NOTE [grad mode]
+torch.fx records calls, not the grad mode they ran in: a ``with torch.no_grad():`` block in a forward (an
+EMA update, a codebook assignment, a statistic used as a constant) would run with autograd on, and
+gradients would flow where the model sends none. The tracer notes each node made while grad mode is off
+(``node.meta["no_grad"]``), and every runner runs it so: the probe, the executor (``grad_mode``) and the
+compiled path, whose fx module turns the mode off around it (``marked_module`` in ``harness/compiled.py``).
+
+NOTE [state the forward writes]
+fx proxies parameters but not buffers: ``self.steps.add_(1)`` runs on the real buffer while fx traces and
+leaves no node, so the program would never write it (and the trace would have written the model's
+buffer). Where a trace wrote a buffer, the buffer is put back and the model traced again with buffers as
+proxies (only then: a buffer used in Python control flow traces as before). The write is then a node
+outside the IR, which the executor runs with its latest input. Two orders matter:
+- a node that reads an input, parameter or buffer after a write reads the written value, in the forward
+  and in a recomputation alike (no later write is allowed, below); its IR node gets edges from the IR
+  nodes the write read, so that no stage plan runs it before the write;
+- a write after another IR node has read the state is refused, naming both: a recomputation of that
+  reader would see the new value.
+A layer that reads and writes its own state in one call (BatchNorm's running statistics) is replayed as
+NOTE [replaying side effects] in ``harness/execute.py`` says.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import operator
@@ -77,6 +99,7 @@ class Traced:
     fx_node_count: int  # layer calls (fx nodes other than inputs, attributes and the output)
     random_nodes: frozenset[str] = frozenset()  # fx nodes that draw random numbers (the executor keeps their order)
     written_in_place: frozenset[str] = frozenset()  # fx nodes that write their IR node's storage in place
+    writes_state: frozenset[str] = frozenset()  # fx nodes that write an input, parameter or buffer in place
 
 
 class TraceFailure(RuntimeError):
@@ -195,7 +218,8 @@ def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set
 
     class Claiming(fx.Interpreter):
         def run_node(self, node: fx.Node):
-            result = super().run_node(node)
+            with grad_mode(node):
+                result = super().run_node(node)
             g = group_of.get(node.name)
             if g is not None:
                 outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
@@ -325,11 +349,49 @@ class _Tracer(fx.Tracer):
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _AugmentedProxy(node, self)
 
+    def create_node(self, *args, **kwargs) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        if not torch.is_grad_enabled():  # NOTE [grad mode]
+            node.meta["no_grad"] = True
+        return node
+
+
+def grad_mode(node: fx.Node):
+    """The grad mode the model's code ran ``node`` in (NOTE [grad mode])."""
+    return torch.no_grad() if node.meta.get("no_grad") else contextlib.nullcontext()
+
 
 def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
+    """The model's fx module; where its code writes a buffer in place, traced again with buffers as
+    proxies, so that the write is a node (NOTE [state the forward writes])."""
+    buffers = dict(model.named_buffers())
+    saved = {name: (b._version, b.detach().clone()) for name, b in buffers.items()}
+    gm = _fx_trace(model, proxy_buffers=False)
+    if _undo_writes(buffers, saved):
+        gm = _fx_trace(model, proxy_buffers=True)
+        if written := _undo_writes(buffers, saved):
+            raise TraceFailure(f"{type(model).__name__} writes buffer {written[0]!r} in its forward in a way "
+                               "torch.fx does not record; write it through the module attribute (self.name.add_(...))")
+    return gm
+
+
+def _undo_writes(buffers: dict[str, torch.Tensor], saved: dict[str, tuple]) -> list[str]:
+    """The buffers a trace wrote in place (the write ran on the real tensor and left no node), each put
+    back as it was."""
+    written = [name for name, b in buffers.items() if b._version != saved[name][0]]
+    with torch.no_grad():
+        for name in written:
+            buffers[name].copy_(saved[name][1])
+            saved[name] = (buffers[name]._version, saved[name][1])
+    return written
+
+
+def _fx_trace(model: torch.nn.Module, proxy_buffers: bool) -> fx.GraphModule:
     try:
         tracer = _Tracer()
-        graph = tracer.trace(model)
+        tracer.proxy_buffer_attributes = proxy_buffers
+        with torch.enable_grad():
+            graph = tracer.trace(model)
         return fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as error:  # fx raises TraceError, but also TypeError/AttributeError from user code
         raise TraceFailure(_why_untraceable(model, error)) from error
@@ -395,6 +457,8 @@ class _Probe(fx.Interpreter):
         self.cost_model = cost_model
         self.static = {id(_storage(t)) for t in list(gm.parameters()) + list(gm.buffers())}
         self.buffer_ids = {id(b) for b in gm.buffers()}
+        self.static_names = {id(_storage(t)): f"{kind} {name!r}" for kind, named in
+                             (("parameter", gm.named_parameters()), ("buffer", gm.named_buffers())) for name, t in named}
         self.group_of_storage: dict[int, tuple[weakref.ref, int]] = {}
         self.groups: list[dict] = []  # each: members, bytes, cost, reads, extra, params, kind
         self.group_of: dict[str, int] = {}
@@ -408,6 +472,9 @@ class _Probe(fx.Interpreter):
         self.in_place_nodes: set[object] = set()  # autograd nodes of in-place writes (a ReLU's, ``+=``'s)
         self.in_place_names: set[str] = set()  # the fx nodes that make those writes
         self.out_of_place: set[str] = set()  # augmented assignments that cannot write in place
+        self.state_readers: dict[int, fx.Node] = {}  # static storage -> the first IR node member that read it
+        self.state_after: dict[int, set[int]] = {}  # static storage -> the IR nodes its last write read
+        self.state_writers: set[str] = set()
 
     def _group(self, storage) -> int | None:
         entry = self.group_of_storage.get(id(storage))
@@ -435,13 +502,36 @@ class _Probe(fx.Interpreter):
         draws = _Draws()
         state = sum(t.numel() * t.element_size()  # the buffers among the inputs are those among the arguments
                     for t in written_state(self.module, node, inputs, {}, self.buffer_ids))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, draws:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, draws, grad_mode(node):
             result = super().run_node(node)
         if draws.seen:
             self.random_nodes.add(node.name)
-        wrote = any(t._version != v for t, v in zip(inputs, versions))
+        wrote = any(t._version != v for t, v in zip(inputs, versions) if id(_storage(t)) not in self.static)
         self._record(node, result, saved, flops.get_total_flops(), wrote, state)
+        self._note_state(node, inputs, versions)
         return result
+
+    def _note_state(self, node: fx.Node, inputs: list[torch.Tensor], versions: list[int]):
+        """Note which IR nodes read an input, parameter or buffer, and refuse a write to one after another
+        IR node read it; the IR nodes that read it after a write follow the write's inputs (NOTE [state
+        the forward writes])."""
+        g = self.group_of.get(node.name)
+        for t, version in zip(inputs, versions):
+            key = id(_storage(t))
+            if key not in self.static:
+                continue
+            if t._version != version:
+                reader = self.state_readers.get(key)
+                if reader is not None and reader is not node:
+                    raise TraceFailure(
+                        f"in-place write {_describe(node, self.module)} changes {self.static_names.get(key, 'an input')} "
+                        f"after {_describe(reader, self.module)} read it; a recomputation of that reader would see "
+                        "the new value. Write out of place, or before any layer reads it")
+                self.state_after[key] = {h for n in node.all_input_nodes if (h := self.group_of.get(n.name)) is not None}
+                self.state_writers.add(node.name)
+            elif g is not None:
+                self.state_readers.setdefault(key, node)
+                self.groups[g]["after"] |= self.state_after.get(key, set())
 
     def _may_write(self, target) -> bool:
         """Whether an augmented assignment may write ``target`` in place (NOTE [augmented assignments]):
@@ -467,7 +557,8 @@ class _Probe(fx.Interpreter):
         if new:
             g = len(self.groups)
             self.groups.append(dict(members=[], final=node, bytes=sum(s.nbytes() for s in new.values()), cost=0.0, flops=0,
-                                    reads=set(), extra=0, params=0, state=0, kind=_kind(node, self.module)))
+                                    reads=set(), extra=0, params=0, state=0, after=set(),
+                                    kind=_kind(node, self.module)))
             for s in new.values():
                 self.group_of_storage[id(s)] = (weakref.ref(s), g)
         elif aliased:
@@ -531,6 +622,7 @@ class _Probe(fx.Interpreter):
                     h = self.group_of.get(source.name)
                     if h is not None and h != g:
                         edges.add((rank[h], rank[g]))
+            edges.update((rank[h], rank[g]) for h in group["after"] if h != g)  # NOTE [state the forward writes]
         groups = [self.groups[g] for g in order]
         graph = Graph(
             mem_bytes=[g["bytes"] for g in groups],
@@ -553,7 +645,8 @@ class _Probe(fx.Interpreter):
         members = tuple(tuple(node.name for node in g["members"]) for g in groups)
         group_of = {name: i for i, names in enumerate(members) for name in names}
         return Traced(module=gm, graph=graph, members=members, group_of=group_of, fx_node_count=self.fx_count,
-                      random_nodes=frozenset(self.random_nodes), written_in_place=frozenset(self.in_place_names))
+                      random_nodes=frozenset(self.random_nodes), written_in_place=frozenset(self.in_place_names),
+                      writes_state=frozenset(self.state_writers))
 
 
 def _describe(node: fx.Node, module: torch.nn.Module) -> str:

@@ -200,7 +200,9 @@ def within_replay(graph: Graph, budget_bytes: int, start: Plan | None, time_limi
     overhead = lambda plan: simulate(graph, plan).overhead_cost  # noqa: E731
     fits = lambda plan: simulate(graph, plan).peak_bytes <= budget_bytes  # noqa: E731
     best = start if start is not None and fits(start) else None
-    warm = schedule.from_plan(graph, start, loss_reads_outputs=False) if start is not None and warm_start else None
+    # A peer's checkpointed plan warm-starts as the executor's run of its stages, the nearest schedule.
+    warm = (schedule.from_plan(graph, dataclasses.replace(start, checkpointed=0), loss_reads_outputs=False)
+            if start is not None and warm_start else None)
     status = {"ilp_status": "warm_start"}  # none of the MILP's schedules beat ``start``
     everything = tuple(1 << t for t in range(len(tg.mem)))  # each node computed once, held to its last reader
     low, high = 0.0, float(schedule.peak(tg, everything, schedule.hold_until_last_use(tg, everything)))

@@ -106,7 +106,13 @@ def from_plan(graph: Graph, plan: Plan, loss_reads_outputs: bool = True) -> tupl
     """(R, S) of a stage plan: the forward in node order; in the backward, the first backward that reads a
     discarded value of plan stage s (or needs what a discarded layer saves besides it) recomputes all of
     stage s's discarded nodes (seed 004's canonical strategy, as the executor runs it); every value is held
-    from its computation to its last reader."""
+    from its computation to its last reader. A plan with ``checkpointed`` stages is refused: a schedule holds
+    one copy of a value, while ``torch.utils.checkpoint`` rebuilds a block's kept output beside the original
+    (NOTE [a checkpointed stage] in ``strategies/simulate.py``)."""
+    if plan.checkpointed:
+        raise ValueError("from_plan: the plan has checkpointed stages, which a schedule cannot express (a rebuilt "
+                         "copy beside its original); write dataclasses.replace(plan, checkpointed=0) for the "
+                         "executor's run of the same stages")
     tg = training_graph(graph, loss_reads_outputs)
     n, size = len(graph), len(tg.mem)
     stage_of = plan.stage_of(n)

@@ -232,6 +232,88 @@ def test_augmented_assignments_write_in_place_where_they_can():
     assert [n.target for n in on_meta.module.graph.nodes] == [n.target for n in traced.module.graph.nodes]
 
 
+class GradModeAndState(nn.Module):
+    """A forward that writes its own buffers and turns autograd off for part of it: a step counter written
+    by a node of its own and read after; an EMA updated under ``no_grad`` from a late value and read by a
+    node whose other input is early; a statistic taken under ``no_grad`` and used as a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+        self.register_buffer("steps", torch.zeros(()))
+        self.register_buffer("center", torch.full((8,), 0.5))
+
+    def forward(self, x):
+        self.steps.add_(1)
+        h1 = torch.tanh(self.a(x)) * self.steps
+        h3 = torch.tanh(self.c(torch.tanh(self.b(h1))))
+        with torch.no_grad():
+            self.center.mul_(0.5).add_(h3.mean(0), alpha=0.5)
+            scale = torch.sigmoid(h3).mean()
+        return self.d(torch.sin(h1 * self.center) * scale) + h3
+
+
+def down_closure(graph, v: int) -> int:
+    """The least lower set holding node ``v``: the earliest stage any plan can run ``v`` in."""
+    lower, stack = 0, [v]
+    while stack:
+        u = stack.pop()
+        if not lower >> u & 1:
+            lower |= 1 << u
+            stack += graph.preds[u]
+    return lower
+
+
+def test_grad_mode_and_state_writes_are_replayed_by_mechanism():
+    # NOTE [grad mode], NOTE [state the forward writes]: without the first, gradients flow through the
+    # no_grad statistic; without the second, the counter is never written (fx ran add_ on the real buffer),
+    # and a plan whose first stage ends at the EMA's reader reads the EMA before it is written.
+    torch.manual_seed(0)
+    model, x = GradModeAndState(), torch.randn(8, 8)
+    traced = trace(model, x)
+    assert model.steps.item() == 0 and torch.equal(model.center, torch.full((8,), 0.5)), "tracing wrote no buffer"
+    graph = traced.graph
+    reader = graph.names.index("mul_1")  # h1 * self.center
+    assert graph.names.index("mean") in graph.preds[reader]  # the EMA's write read ``mean``
+    early = down_closure(graph, graph.names.index("sin"))
+    loss_fn = lambda out: out.square().sum()  # noqa: E731
+    for plan in (strategies.Plan.from_stages(graph, [strategies.bits([v]) for v in range(len(graph))]),
+                 strategies.Plan.from_stages(graph, [early, graph.all_nodes & ~early]),
+                 strategies.solve("chen_sqrt", graph), strategies.solve("approx_dp", graph)):
+        assert plan.recomputed
+        difference = compare(model, x, loss_fn, lambda: execute(traced, plan, x, loss_fn=loss_fn))
+        assert difference.exact, difference
+    trace(GradModeAndState().to("meta"), x.to("meta"))  # on meta the probe runs the module itself
+
+
+def test_a_write_to_state_another_layer_has_read_is_refused_with_its_place():
+    class ReadThenWrite(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.register_buffer("scale", torch.ones(4))
+
+        def forward(self, x):
+            y = torch.tanh(self.a(x)) * self.scale
+            self.scale.mul_(0.9)
+            return self.b(torch.tanh(y))
+
+    class WritesItsInput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.a(x)
+            x.mul_(2.0)
+            return y + self.a(x)
+
+    with pytest.raises(TraceFailure, match=r"in-place write mul_ .*changes buffer 'scale' after mul "):
+        trace(ReadThenWrite(), torch.randn(2, 4))
+    with pytest.raises(TraceFailure, match=r"in-place write mul_ .*changes an input after Linear"):
+        trace(WritesItsInput(), torch.randn(2, 4))
+
+
 def test_data_dependent_control_flow_names_the_module_and_the_construct():
     class Gate(nn.Module):
         def forward(self, x):

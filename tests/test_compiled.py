@@ -170,3 +170,41 @@ def test_compiled_checkpoint_peers(strategy):
     vanilla = run_cell("resnet50", "vanilla", batch_size=8, image_size=128, compile=True)
     assert row["status"] == "ok", row.get("error")
     assert row["measured_peak_bytes"] < vanilla["measured_peak_bytes"]
+
+
+class NoGradStatistic(nn.Module):
+    """A statistic taken under ``no_grad`` and used as a constant (NOTE [grad mode] in harness/trace.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        with torch.no_grad():
+            scale = torch.sigmoid(self.b(h)).mean()
+        return self.c(torch.tanh(h) * scale)
+
+
+def test_a_compiled_plan_keeps_the_models_grad_mode():
+    """The compiled program turns autograd off where the model does: no gradient reaches ``b``."""
+    torch.manual_seed(0)
+    model, x = NoGradStatistic().double(), torch.randn(8, 8, dtype=torch.double)
+    reference = copy.deepcopy(model)
+    loss_fn = nets.sum_loss
+    reference_loss = loss_fn(reference(x))
+    reference_loss.backward()
+    traced = trace(model, x, loss_fn=loss_fn)
+    plan = strategies.solve("chen_sqrt", traced.graph)
+    assert plan.recomputed
+    assert_same_step_in_float64(model, reference, plan_step(traced, plan, x, loss_fn)(), reference_loss)
+
+
+def test_a_model_that_writes_its_buffers_outside_a_layer_is_refused_under_compile():
+    from harness.run import check_compilable
+    from test_any_model import GradModeAndState
+
+    traced = trace(GradModeAndState(), torch.randn(8, 8))
+    with pytest.raises(strategies.Inapplicable, match=r"compile=true: the model writes .* \(add_, add__1, mul_\)"):
+        check_compilable(strategies.solve("chen_sqrt", traced.graph), traced)
+    check_compilable(strategies.solve("vanilla", traced.graph), traced)  # recomputes nothing: compiles

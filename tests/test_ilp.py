@@ -119,3 +119,19 @@ def test_the_row_says_the_schedule_was_predicted_not_run(tmp_path):
     assert row["measured_peak_bytes"] is None and row["method"].startswith("not run")
     assert row["plan_ilp_status"] == "optimal"
     assert row["predicted_peak_bytes"] > row["static_bytes"] and row["predicted_overhead_cost"] >= 0
+
+
+def test_a_checkpointed_plan_is_no_schedule_but_warm_starts_the_ilp_as_its_stages_run():
+    from strategies.ilp_optimal import within_replay
+    from strategies.plan import Plan, canonical_cache
+
+    graph = wide_graph(10)
+    stages = (0b111, 0b111000, 0b1111000000)
+    peer = Plan.from_stages(graph, stages, strategy="torch_checkpoint_sequential",
+                            kept=canonical_cache(graph, stages) | stages[-1], checkpointed=0b11)
+    with pytest.raises(ValueError, match="checkpointed stages"):
+        schedule.from_plan(graph, peer)
+    peak = simulate(graph, peer).peak_bytes
+    ilp = within_replay(graph, peak, peer, time_limit_s=10)
+    assert simulate(graph, ilp).peak_bytes <= peak
+    assert simulate(graph, ilp).overhead_cost <= simulate(graph, peer).overhead_cost
