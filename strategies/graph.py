@@ -77,10 +77,19 @@ class Graph:
     path of the module that computed ``v`` (``"layer1.0.conv1"``), when the graph was traced; strategies
     that follow a net's own blocks read it. ``flops[v]`` counts the floating-point operations of ``v``'s
     forward computation (traced graphs; hand-written ones default to ``cost``), for strategies that need
-    times rather than cost units (``swap``). ``loss_bytes`` is what the loss holds while it and its
-    backward run, besides the outputs and their gradients (a language model's log-softmax over the
-    vocabulary), measured when the graph was traced with its loss; zero otherwise. ``loss_held_bytes`` is
-    what of it stays to the end of the step (the loss's value).
+    times rather than cost units (``swap``). ``loss_bytes`` is what the loss's backward holds at its
+    peak, besides the outputs, their gradients and what stays (a language model's log-softmax over
+    the vocabulary), measured when the graph was traced with its loss; zero otherwise. ``loss_held_bytes``
+    is what stays to the end of the step (the loss's value and the backward's seed).
+    ``loss_forward_bytes`` is what the loss's forward holds at its peak besides the outputs (a log-softmax
+    over the vocabulary before the loss reduces it). ``outputs`` are the nodes whose values the model
+    returns (None, the default: every sink, as seed 004 has it); they stay until the loss has read them.
+    ``loss_grad_bytes[v]`` is what the gradient the loss hands output ``v`` adds to the device, which may
+    be far less than the output: a sum hands each output an expanded view of its backward's seed, which
+    adds nothing (None, the default: each output's value's size; zero for every other node).
+    ``loss_reads`` lists the outputs whose values the loss's backward reads (a mean squared error saves its
+    input). They stay until the loss's backward is done, and if the plan discards one, that backward
+    recomputes its stage (NOTE [the loss] in ``harness/trace.py``).
 
     ``grad_shares[v]`` says which predecessors' gradients the backward of ``v`` hands over without a
     buffer of their own, as pairs ``(preds, nbytes)``: ``nbytes == -1``, they are ``v``'s own incoming
@@ -119,6 +128,10 @@ class Graph:
     recompute_state_bytes: tuple[int, ...] | None = None
     backward_peak_bytes: tuple[int, ...] | None = None
     early_grads: tuple[tuple[int, ...], ...] | None = None
+    loss_forward_bytes: int = 0
+    outputs: tuple[int, ...] | None = None
+    loss_grad_bytes: tuple[int, ...] | None = None
+    loss_reads: tuple[int, ...] = ()
     preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     pred_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -130,7 +143,7 @@ class Graph:
     def __init__(self, mem_bytes, cost, edges, names=None, kinds=None, backward_reads=None,
                  saved_extra_bytes=None, param_bytes=None, scopes=None, flops=None, loss_bytes=0, grad_shares=None,
                  backward_work_bytes=None, loss_held_bytes=0, recompute_state_bytes=None, backward_peak_bytes=None,
-                 early_grads=None):
+                 early_grads=None, loss_forward_bytes=0, outputs=None, loss_grad_bytes=None, loss_reads=()):
         n = len(mem_bytes)
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
         put("mem_bytes", tuple(int(m) for m in mem_bytes))
@@ -177,10 +190,17 @@ class Graph:
         put("backward_peak_bytes", None if backward_peak_bytes is None else tuple(int(b) for b in backward_peak_bytes))
         early = early_grads if early_grads is not None else [()] * n
         put("early_grads", tuple(tuple(sorted(int(u) for u in preds)) for preds in early))
+        put("loss_forward_bytes", int(loss_forward_bytes))
+        sinks = [v for v in range(n) if not succs[v]]
+        put("outputs", tuple(sinks if outputs is None else sorted({int(v) for v in outputs})))
+        if loss_grad_bytes is None:
+            loss_grad_bytes = [self.mem_bytes[v] if v in self.outputs else 0 for v in range(n)]
+        put("loss_grad_bytes", tuple(int(b) for b in loss_grad_bytes))
+        put("loss_reads", tuple(sorted({int(v) for v in loss_reads})))
         _validate_backward(self)
-        if self.loss_bytes < 0 or self.loss_held_bytes < 0:
-            raise ValueError(f"Graph: loss_bytes and loss_held_bytes must not be negative, got {self.loss_bytes} "
-                             f"and {self.loss_held_bytes}")
+        if min(self.loss_bytes, self.loss_held_bytes, self.loss_forward_bytes) < 0:
+            raise ValueError(f"Graph: loss_bytes, loss_held_bytes and loss_forward_bytes must not be negative, got "
+                             f"{self.loss_bytes}, {self.loss_held_bytes} and {self.loss_forward_bytes}")
 
     def __len__(self) -> int:
         return len(self.mem_bytes)
@@ -224,7 +244,8 @@ class Graph:
         """A copy with some fields changed (the constructor's arguments)."""
         names = ("mem_bytes", "cost", "edges", "names", "kinds", "backward_reads", "saved_extra_bytes",
                  "param_bytes", "scopes", "flops", "loss_bytes", "grad_shares",
-                 "backward_work_bytes", "loss_held_bytes", "recompute_state_bytes", "backward_peak_bytes", "early_grads")
+                 "backward_work_bytes", "loss_held_bytes", "recompute_state_bytes", "backward_peak_bytes",
+                 "early_grads", "loss_forward_bytes", "outputs", "loss_grad_bytes", "loss_reads")
         return Graph(**{name: fields.get(name, getattr(self, name)) for name in names})
 
     def mem(self, nodes: int) -> int:
@@ -273,6 +294,12 @@ def _validate_backward(graph: Graph) -> None:
         if len(set(shared)) != len(shared) or not set(shared) <= set(graph.preds[v]):
             raise ValueError(f"Graph: grad_shares[{v}] must name predecessors of node {v} ({graph.names[v]}), "
                              f"each at most once; got {shares}")
+    if not all(0 <= v < n for v in graph.outputs):
+        raise ValueError(f"Graph: outputs {graph.outputs} must be nodes 0..{n - 1}")
+    if len(graph.loss_grad_bytes) != n or min(graph.loss_grad_bytes, default=0) < 0:
+        raise ValueError("Graph: loss_grad_bytes needs one entry per node, none negative")
+    if not set(graph.loss_reads) <= set(graph.outputs):
+        raise ValueError(f"Graph: loss_reads {graph.loss_reads} must name outputs of the model {graph.outputs}")
     if len(graph.early_grads) != n or any(not set(e) <= set(graph.preds[v]) for v, e in enumerate(graph.early_grads)):
         raise ValueError("Graph: early_grads needs one entry per node, each naming predecessors of the node")
     for v, reads in enumerate(graph.backward_reads):

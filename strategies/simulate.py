@@ -26,13 +26,16 @@ than one checkpoint per block without it).
 frees every value and gradient right after its last use (seed 004's liveness pass, which is also what
 PyTorch's reference-counted autograd does):
 - forward, stage by stage (``V_1`` first, node order within a stage): a value lives until its last
-  forward reader, and then on into the backward
-  pass only if it is kept and something needs it there (a backward that saved it, or the recomputation
-  of a discarded successor);
+  forward reader (an output, ``Graph.outputs``, until the loss's forward), and then on into the backward
+  pass only if it is kept and something needs it there (a backward that saved it, the loss's backward,
+  or the recomputation of a discarded successor);
 - what a layer's backward saves besides node values (``saved_extra_bytes``: pooling indices) lives from
   the layer's forward to its backward, or, for a recomputed layer, from its recomputation;
-- the loss's own buffers (``loss_bytes``) live while the outputs' gradients are made, at the turn from
-  forward to backward, and what of them stays (``loss_held_bytes``: the loss's value) to the step's end;
+- the loss (NOTE [the loss] in ``harness/trace.py``): its forward holds ``loss_forward_bytes`` beside
+  the outputs, which then go unless a backward reads them; at the turn from forward to backward its
+  backward makes the outputs' gradients (``loss_grad_bytes`` each: none for a sum's) while it holds
+  ``loss_bytes``, first recomputing the stage of an output it reads that the plan discarded; its value
+  and seed (``loss_held_bytes``) stay to the step's end;
 - backward, in the reverse of that order (the autograd engine's): the first backward of a stage that
   needs a discarded value recomputes all the discarded values of that stage, from the kept ones (a
   recomputed layer holds copies of the state it writes while it runs, ``Graph.recompute_state_bytes``); each
@@ -65,8 +68,11 @@ each node frees what it saved as it finishes, and the last gradients come when m
 are gone (ViT-B/16's attention holds 629 MB of saved tensors at batch 64; held to the end, the replay
 over-predicted the DPs' plans by 7%). ``Graph.backward_peak_bytes[v]``, measured per layer in a plain
 step on meta when the graph is traced, is the most the layer's backward holds above what was live as it
-began, forward values aside. Where the replay's step holds more than that, it carries an entry of negative
-size, ``held_less``, that brings the step down to the measured peak and goes with the step. The layer's
+began, forward values aside. The replay's step carries an entry, ``measured``, that brings it to the
+measured peak and goes with the step: negative where the step holds more than that, positive where the
+layer holds what the replay does not see, a temporary inside one autograd node (a product with a broadcast
+scalar makes the whole product before it sums it down to the scalar's gradient: without it the replay
+missed such a layer's vanilla step by 24%, ``tests/test_accounting.py``). The layer's
 working gradients never count for more than that peak either (``_working``), and they come before the
 layer's recomputation only when in-place members make them, reading the layer's own value (a ReLU after a
 convolution); an attention makes them after it reads what it saved, that is after its recomputation. On
@@ -102,10 +108,11 @@ stage replay's peak to the byte (tests/test_accounting.py); Checkmate's own coun
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from strategies import schedule
-from strategies.graph import Graph, members
+from strategies.graph import Graph, bits, members
 from strategies.plan import InfeasibleBudget, Plan
 
 
@@ -241,6 +248,8 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
     for v in range(n):
         for u in graph.backward_reads[v]:
             readers[copy(u, v)].append(v)
+    for u in graph.loss_reads:
+        readers[u].append(-1)  # the loss's backward, at the turn
     # A stage is recomputed only when some backward reads one of its discarded values or extras.
     needed = {stage_of[u] for u in members(discarded | rebuilt)
               if readers[u] or readers[u + n] or graph.saved_extra_bytes[u]}
@@ -303,6 +312,7 @@ def _forward(graph, order, kept, saves, swapped, readers, recompute_stages) -> l
     def held(u):  # on the device into the backward pass
         return kept >> u & 1 and not swapped >> u & 1 and (readers[u] or recompute_stages[u])
 
+    outputs = set(graph.outputs)
     uses_left = [len(s) for s in graph.succs]
     steps = []
     for v in order:
@@ -314,11 +324,16 @@ def _forward(graph, order, kept, saves, swapped, readers, recompute_stages) -> l
                 frees.append(("extra", v))
         for u in graph.preds[v]:
             uses_left[u] -= 1
-            if uses_left[u] == 0 and not held(u):
+            if uses_left[u] == 0 and not held(u) and u not in outputs:
                 frees.append(("value", u))
-        if not graph.succs[v] and not held(v):  # a sink: the loss reads it, then it goes
+        if not graph.succs[v] and not held(v) and v not in outputs:  # read by nothing at all
             frees.append(("value", v))
         steps.append(Step(v, "forward", tuple(allocs), tuple(frees)))
+    # The loss's forward: the model returned its outputs, so all of them are here. Then they go, unless a
+    # backward reads them (the loss's own among them: ``readers``).
+    loss = [(("loss_forward", -1), graph.loss_forward_bytes)] if graph.loss_forward_bytes else []
+    frees = [("value", v) for v in sorted(outputs) if not held(v)]
+    steps.append(Step(-1, "forward", tuple(loss), tuple(frees + [key for key, _ in loss])))
     return steps
 
 
@@ -348,7 +363,7 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
             present[u] = True
         return [(("value", u), graph.mem_bytes[u]) for u in fetched_at.get(trigger, ())]
 
-    steps.append(_turn(graph, gradients, fetch(-1)))
+    fetched = fetch(-1)
     recomputed = set()
     extras_present = [bool(graph.saved_extra_bytes[v] and (plan.kept & ~in_checkpoint) >> v & 1) for v in range(n)]
 
@@ -364,6 +379,15 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
                                           release_if_done))
             for w in nodes:
                 extras_present[w % n] = bool(graph.saved_extra_bytes[w % n])
+
+    # The loss's backward reads the outputs it saved; one the plan discarded comes back with its stage.
+    recompute({stage_of[u] for u in graph.loss_reads if not present[u]})
+    turn = _turn(graph, gradients, fetched)
+    frees = list(turn.frees)
+    for u in graph.loss_reads:
+        readers_left[u] -= 1
+        release_if_done(u, frees)
+    steps.append(dataclasses.replace(turn, frees=tuple(frees)))
 
     for v in reversed(order):
         fetched = fetch(v)
@@ -403,7 +427,7 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
             allocs.append((("param_grad", v), graph.param_bytes[v]))
         if work and not in_place_first:
             allocs.append((("work", v), work))
-        allocs += _held_less(graph, v, held + sum(size for _, size in allocs), frees)
+        allocs += _to_measured_peak(graph, v, held + sum(size for _, size in allocs), frees)
         if work:
             frees.append(("work", v))
         if extras_present[v]:
@@ -421,8 +445,9 @@ class _Gradients:
     """Which buffer holds each node's gradient in the backward pass, as the autograd engine hands them on
     (``Graph.grad_shares``) and sums them (``InputBuffer``'s ``accumulate``): a node's first gradient is
     the buffer it was handed; a later one is summed in place into the buffer it has when no other node's
-    gradient shares that buffer (the contribution, if new, lives only for the sum), else into the new
-    contribution, else into a new buffer. A buffer goes when no node's gradient is in it any more."""
+    gradient shares that buffer and it is the gradient's size (the contribution, if new, lives only for the
+    sum), else into the new contribution (after a view of the loss's seed, too), else into a new buffer. A
+    buffer goes when no node's gradient is in it any more."""
 
     def __init__(self, graph: Graph):
         self.graph = graph
@@ -471,23 +496,24 @@ class _Gradients:
                 allocs.append((key, size))
                 self.size[key] = size
 
+        frees = []
         for u in graph.preds[v] if only is None else only:
             key, size = handed.get(u, (("grad", u, v), graph.mem_bytes[u]))
             old = self.buffer_of.get(u)
             if old is None:
                 make(key, size)
                 self.hold(u, key)
-            elif self.holders[old] == 1:  # summed in place into u's buffer; a new contribution lives for the sum
-                make(key, size)
+            elif self.holders[old] == 1 and self.size[old] >= graph.mem_bytes[u]:
+                make(key, size)  # summed in place into u's buffer; a new contribution lives for the sum
             else:
-                if key in self.holders:  # neither buffer may be written: the sum is a new one
+                # u's buffer may not be written: shared, or a view smaller than the gradient (the loss
+                # hands a sum's output a view of its seed). The sum goes into the contribution if it is
+                # new, else into a new buffer.
+                if key in self.holders:
                     key = ("sum", u, v)
                 make(key, graph.mem_bytes[u] if key[0] == "sum" else size)
-                frees = []
                 self.drop(u, frees)
                 self.hold(u, key)
-                assert not frees, "simulator bug: a shared gradient buffer freed by a sum"
-        frees = []
         self.drop(v, frees)
         frees += [key for key in made if key not in self.holders]
         return allocs, frees
@@ -508,11 +534,27 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
     def read_later(row: int, u: int, after: int, but: int = -1) -> bool:
         return any(row >> j & 1 for j in tg.users[u] if j > after and j != but)
 
+    outputs = sum(1 << v for v in graph.outputs)  # here until the loss's forward: the model returns them
     for t in range(size):
-        if t == n:
-            steps.append(_turn(graph, gradients))
         held_next = held[t + 1] if t + 1 < size else 0
         row = computed[t]
+        if t == n:  # the loss: its forward, then its backward; an output it reads stays to the turn's end
+            reads = bits(graph.loss_reads)
+            loss = [(("loss_forward", -1), graph.loss_forward_bytes)] if graph.loss_forward_bytes else []
+            gone = present & ~held[n] & ~reads
+            steps.append(Step(-1, "forward", tuple(loss), (*[("value", u) for u in members(gone)],
+                                                            *[key for key, _ in loss])))
+            present &= ~gone
+            turn = _turn(graph, gradients)
+            # A Checkmate schedule lets the loss read nothing: an output it reads that is gone by now is
+            # counted back for the turn alone, where the stage replay recomputes the output's stage.
+            back = reads & ~present
+            later = sum(1 << u for u in graph.loss_reads if read_later(row, u, -1))
+            gone = back | present & reads & ~held[n] & ~later
+            steps.append(dataclasses.replace(turn, allocs=(*turn.allocs, *((("value", u), graph.mem_bytes[u])
+                                                                            for u in members(back))),
+                                             frees=(*turn.frees, *(("value", u) for u in members(gone)))))
+            present &= ~gone
         v = schedule.backward_node(n, t) if t >= n else -1
         work = _working(graph, v) if v >= 0 else 0
         in_place_first = v >= 0 and _in_place_first(graph, v, work)
@@ -545,7 +587,7 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
                     allocs.append((("param_grad", v), graph.param_bytes[v]))
                 if work and v not in graph.backward_reads[v]:  # made after what it saved is read
                     allocs.append((("work", v), work))
-                allocs += _held_less(graph, v, held_by_members + sum(size for _, size in allocs), frees)
+                allocs += _to_measured_peak(graph, v, held_by_members + sum(size for _, size in allocs), frees)
                 frees += [("value", i) for i in gone] + ([("work", v)] if work else [])
                 frees += [("extra", v)] if graph.saved_extra_bytes[v] else []
                 steps.append(Step(v, "backward", tuple(allocs), tuple(frees)))
@@ -560,17 +602,19 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
                 allocs.append((("state", k), graph.recompute_state_bytes[k]))
                 frees.append(("state", k))
             present |= 1 << k
-            if not held_next >> k & 1 and not read_later(row, k, k):  # nothing reads it before its next computation
+            # nothing reads it before its next computation (an output: the loss, at the turn)
+            if not held_next >> k & 1 and not read_later(row, k, k) and not (t < n and outputs >> k & 1):
                 frees.append(("value", k))
             present &= ~sum(1 << i for kind, i in frees if kind == "value")
             steps.append(Step(k, "forward" if t == k else "recompute", tuple(allocs), tuple(frees)))
             if k == v and not in_place_done:
                 present &= ~in_place_members(k)
                 in_place_done = True
-        if present & ~held_next:  # held for a reader the loss stood in for (Checkmate's outputs): gone now
+        leaving = present & ~held_next & ~(outputs if t < n else 0)
+        if leaving:  # held for a reader the loss stood in for (Checkmate's outputs): gone now
             steps.append(Step(-1, "forward" if t < n else "backward", (),
-                              tuple(("value", u) for u in members(present & ~held_next))))
-            present &= held_next
+                              tuple(("value", u) for u in members(leaving))))
+            present &= ~leaving
     steps.append(_end(graph))
     return steps
 
@@ -592,24 +636,25 @@ def _working(graph: Graph, v: int) -> int:
     return graph.backward_work_bytes[v] if peaks is None else min(graph.backward_work_bytes[v], peaks[v])
 
 
-def _held_less(graph: Graph, v: int, held: int, frees: list) -> list:
-    """What ``v``'s layer has freed by its backward's peak that the replay still holds there (NOTE [a
-    layer's backward peak]), as an entry of negative size that the step's end gives back; ``held`` is
-    what the replay's backward of ``v`` holds then above what was live as it began, values aside."""
+def _to_measured_peak(graph: Graph, v: int, held: int, frees: list) -> list:
+    """The entry that brings the replay's backward of ``v`` to the peak its layer's backward measured (NOTE
+    [a layer's backward peak]), going with the step: negative where the layer has freed by then what the
+    replay still holds, positive where it holds what the replay does not see (a product's backward makes
+    the whole product before it sums it down to a broadcast scalar's gradient); ``held`` is what the
+    replay's backward of ``v`` holds then above what was live as it began, values aside."""
     peaks = graph.backward_peak_bytes
-    if peaks is None or held <= peaks[v]:
+    if peaks is None or held == peaks[v]:
         return []
-    frees.append(("held_less", v))
-    return [(("held_less", v), peaks[v] - held)]
+    frees.append(("measured", v))
+    return [(("measured", v), peaks[v] - held)]
 
 
 def _turn(graph: Graph, gradients: "_Gradients", fetched=()) -> Step:
     """From forward to backward: the swapped values fetched at once, the loss's buffers and the loss's
     gradients with respect to the outputs come; the loss's working buffers go, its value stays."""
-    sinks = [v for v in range(len(graph)) if not graph.succs[v]]
-    for v in sinks:
-        gradients.hold(v, ("grad", v), graph.mem_bytes[v])
-    allocs = [*fetched, *((("grad", v), graph.mem_bytes[v]) for v in sinks)]
+    for v in graph.outputs:
+        gradients.hold(v, ("grad", v), graph.loss_grad_bytes[v])
+    allocs = [*fetched, *((("grad", v), graph.loss_grad_bytes[v]) for v in graph.outputs)]
     allocs += [(("loss", -1), graph.loss_bytes)] if graph.loss_bytes else []
     allocs += [(("loss_held", -1), graph.loss_held_bytes)] if graph.loss_held_bytes else []  # to the step's end
     return Step(-1, "backward", tuple(allocs), (("loss", -1),) if graph.loss_bytes else ())

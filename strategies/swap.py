@@ -8,7 +8,7 @@ strategy's plan at its own default budget; none: ``vanilla``, everything kept) a
   is the first ``m`` candidates in forward order, with ``m`` the least that meets the budget (bisected;
   ``budget=None`` swaps every candidate: the least memory swap reaches). Candidates are kept values that
   some backward reads, of at least ``min_bytes``; parameters are not values, and a checkpoint that a
-  recomputation reads stays on the device;
+  recomputation reads stays on the device, as does an output the loss's backward reads;
 - when each comes back: as late as possible while its copy still hides behind computation. Copies come
   back one at a time at ``bandwidth_gbps``, in the order the backward pass needs them; a step's time is
   its FLOPs at ``compute_tflops`` (a backward twice its forward). The copy starts with the backward of
@@ -102,8 +102,9 @@ def _base_plan(graph: Graph, options: Options) -> Plan:
 
 
 def _candidates(graph: Graph, base: Plan, min_bytes: int) -> list[int]:
-    """Kept values a backward reads, big enough, read by no recomputation; in forward (execution) order."""
-    read_by_backward = {u for reads in graph.backward_reads for u in reads}
+    """Kept values a backward reads, big enough, read by no recomputation; in forward (execution) order.
+    An output the loss's backward reads stays: that backward comes first, just after the forward."""
+    read_by_backward = {u for reads in graph.backward_reads for u in reads} - set(graph.loss_reads)
     stage_of = base.stage_of(len(graph))
     return sorted((u for u in members(base.kept) if u in read_by_backward and graph.mem_bytes[u] >= min_bytes
                    and not graph.succ_mask[u] & base.recomputed),
