@@ -49,6 +49,17 @@ gradients would flow where the model sends none. The tracer notes each node made
 (``node.meta["no_grad"]``), and every runner runs it so: the probe, the executor (``grad_mode``) and the
 compiled path, whose fx module turns the mode off around it (``marked_module`` in ``harness/compiled.py``).
 
+NOTE [custom autograd functions]
+fx traces through a custom ``torch.autograd.Function``: ``apply`` runs its forward on the proxies, which
+records the forward's ops and drops the Function's own backward (pytorch/pytorch#84515). The program
+would then train with the forward's plain derivative (a gradient reversal would not reverse), and since
+``apply`` runs the forward with grad mode off, NOTE [grad mode] would cut the gradient there altogether.
+So while fx traces, ``apply`` on a traced value records one ``call_function`` node that calls the
+Function's ``apply``: the executor runs the real Function, its backward included, and what it saves
+(``ctx.save_for_backward``) goes through the same ``saved_tensors_hooks`` as any layer's. A tensor kept
+on ``ctx`` itself is out of the hooks' sight: it lives to the Function's backward whatever the plan, and
+the replay does not count it.
+
 NOTE [state the forward writes]
 fx proxies parameters but not buffers: ``self.steps.add_(1)`` runs on the real buffer while fx traces and
 leaves no node, so the program would never write it (and the trace would have written the model's
@@ -88,10 +99,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import operator
 import traceback
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -405,6 +418,35 @@ class _Tracer(fx.Tracer):
         return node
 
 
+@contextlib.contextmanager
+def _functions_as_calls():
+    """While fx traces, a custom ``torch.autograd.Function`` applied to a traced value is recorded as one
+    call of its ``apply`` (NOTE [custom autograd functions])."""
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        proxies = [a for a in tree_leaves((args, kwargs)) if isinstance(a, fx.Proxy)]
+        if proxies:
+            return proxies[0].tracer.create_proxy("call_function", _applying(cls), args, kwargs)
+        return original.__get__(None, cls)(*args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
+
+
+@functools.cache
+def _applying(cls: type) -> Callable:
+    """The call of ``cls.apply`` the fx module makes, under the Function's own name."""
+    def call(*args, **kwargs):
+        return cls.apply(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = f"{cls.__name__}_apply"
+    return call
+
+
 def grad_mode(node: fx.Node):
     """The grad mode the model's code ran ``node`` in (NOTE [grad mode])."""
     return torch.no_grad() if node.meta.get("no_grad") else contextlib.nullcontext()
@@ -439,7 +481,7 @@ def _fx_trace(model: torch.nn.Module, proxy_buffers: bool) -> fx.GraphModule:
     try:
         tracer = _Tracer()
         tracer.proxy_buffer_attributes = proxy_buffers
-        with torch.enable_grad():
+        with torch.enable_grad(), _functions_as_calls():
             graph = tracer.trace(model)
         return fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as error:  # fx raises TraceError, but also TypeError/AttributeError from user code

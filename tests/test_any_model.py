@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import strategies
 from harness import nets
@@ -284,6 +285,65 @@ def test_grad_mode_and_state_writes_are_replayed_by_mechanism():
         difference = compare(model, x, loss_fn, lambda: execute(traced, plan, x, loss_fn=loss_fn))
         assert difference.exact, difference
     trace(GradModeAndState().to("meta"), x.to("meta"))  # on meta the probe runs the module itself
+
+
+class ReverseGradient(torch.autograd.Function):
+    """A domain-adversarial gradient reversal: the identity forward, whose own derivative is not its backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -ctx.scale * grad, None
+
+
+class SavingSwish(torch.autograd.Function):
+    """A memory-saving swish that saves its sigmoid (timm's and EfficientNet's kind), with a backward made
+    to differ from the forward's derivative by a factor, so that a dropped backward shows."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.sigmoid(x)
+        ctx.save_for_backward(x, y)
+        return x * y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, y = ctx.saved_tensors
+        return 0.5 * grad * y * (1 + x * (1 - y))
+
+
+class CustomFunctions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d, self.e = (nn.Linear(8, 8) for _ in range(5))
+
+    def forward(self, x):
+        h = SavingSwish.apply(self.a(x))
+        h = ReverseGradient.apply(torch.tanh(self.b(h)), 0.3)
+        h = checkpoint(self.e, h, use_reentrant=True)  # a Function too
+        return self.d(SavingSwish.apply(self.c(h)))
+
+
+def test_custom_autograd_functions_run_their_own_backward():
+    # NOTE [custom autograd functions]: fx traced through apply, dropping the backward (the reversal did not
+    # reverse) and, under NOTE [grad mode], every gradient through the swish and the reentrant checkpoint,
+    # whose forwards run with grad mode off; each Function is now one call.
+    torch.manual_seed(0)
+    model, x = CustomFunctions(), torch.randn(8, 8)
+    traced = trace(model, x)
+    assert sum(name.startswith("saving_swish_apply") for name in traced.graph.names) == 2
+    swish = traced.graph.names.index("saving_swish_apply")
+    assert traced.graph.saved_extra_bytes[swish] == traced.graph.mem_bytes[swish]  # its sigmoid
+    loss_fn = lambda out: out.square().sum()  # noqa: E731
+    for plan in (strategies.solve("vanilla", traced.graph),
+                 strategies.Plan.from_stages(traced.graph, [strategies.bits([v]) for v in range(len(traced.graph))]),
+                 strategies.solve("chen_sqrt", traced.graph), strategies.solve("approx_dp", traced.graph)):
+        difference = compare(model, x, loss_fn, lambda: execute(traced, plan, x, loss_fn=loss_fn))
+        assert difference.exact, (plan.stages, difference)
 
 
 def test_a_write_to_state_another_layer_has_read_is_refused_with_its_place():
