@@ -24,6 +24,15 @@ memory at the compiler's speed.
 Backends as for the compile peer (below): inductor on cuda (the tagging is its ``joint_custom_pre_pass``),
 ``aot_eager_decomp_partition``'s pipeline on cpu, and on meta an AOT replay of the partitioned graphs.
 
+NOTE [graph breaks]
+Where dynamo cannot trace a call (a reentrant ``checkpoint``, a draw from a ``torch.Generator`` of the
+model's own), it runs the call eagerly and compiles the program as several graphs, and each graph is
+partitioned alone: a value that one graph hands the next is an input there, which the partitioner cannot
+recompute. A plan that recomputes such a value is refused, naming it (``AcrossGraphs``, raised by
+``tag_plan`` and turned into ``Inapplicable`` by ``plan_step``: an ``infeasible`` row); a plan that keeps
+it compiles. The replay on meta compiles one graph (``fullgraph=True``), so there a graph break refuses
+the step whatever the plan.
+
 NOTE [measuring torch.compile]
 The tracker is a dispatch mode, and torch.compile runs a frame eagerly while a dispatch mode is active,
 so on ``meta`` the compiled program is replayed instead: ``torch.compile`` with AOTAutograd (the
@@ -51,9 +60,10 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
+from harness.execute import generators_of, rng_state, set_rng_state
 from harness.measure import MemoryTracker
 from harness.trace import Traced
-from strategies import Plan
+from strategies import Inapplicable, Plan
 
 
 @torch.library.custom_op("recompute_bench::mark", mutates_args=())
@@ -123,6 +133,8 @@ def tag_plan(graph: fx.Graph, recomputed: int) -> None:
             node_of[node] = v
             source = node.args[0]
             recompute = recomputed >> v & 1
+            if recompute and source.op == "placeholder":
+                raise AcrossGraphs(v)
             source.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE if recompute else CheckpointPolicy.MUST_SAVE
         elif _is_view(node) and node.args and node.args[0] in node_of:
             node_of[node] = node_of[node.args[0]]
@@ -134,6 +146,15 @@ def tag_plan(graph: fx.Graph, recomputed: int) -> None:
     for node in marks:
         node.replace_all_uses_with(node.args[0])
         graph.erase_node(node)
+
+
+class AcrossGraphs(Exception):
+    """A recomputed IR node whose value reaches this graph as an input: dynamo broke the program into
+    graphs there (NOTE [graph breaks])."""
+
+    def __init__(self, node: int):
+        super().__init__(f"IR node {node} is an input of the graph")
+        self.node = node
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -157,7 +178,19 @@ class PlanPass:
 def plan_step(traced: Traced, plan: Plan, example_input: torch.Tensor, loss_fn):
     """The training step of ``plan`` under ``torch.compile`` (NOTE [compiling a plan]); the returned
     function has ``compile_time_s``."""
-    return compiled_step(marked_module(traced), traced.module, example_input, loss_fn, recomputed=plan.recomputed)
+    import torch._dynamo
+
+    try:
+        return compiled_step(marked_module(traced), traced.module, example_input, loss_fn, recomputed=plan.recomputed)
+    except torch._dynamo.exc.BackendCompilerFailed as error:
+        if not isinstance(error.inner_exception, AcrossGraphs):
+            raise
+        name = traced.graph.names[error.inner_exception.node]
+        raise Inapplicable(
+            f"{plan.strategy} under compile=true: it recomputes {name}, whose value dynamo hands from one compiled "
+            "graph to the next (a graph break: a call dynamo runs eagerly, such as a reentrant checkpoint or a draw "
+            "from a torch.Generator of the model's own), and the partitioner recomputes only within a graph; run "
+            "it with compile=false, or with a plan that keeps that value") from None
 
 
 def compiled_step(forward, model: nn.Module, example_input: torch.Tensor, loss_fn, budget_ratio: float = 1.0,
@@ -204,7 +237,11 @@ def compiled_step(forward, model: nn.Module, example_input: torch.Tensor, loss_f
             loss.backward()
         return loss.detach()
 
-    buffers = [b.clone() for b in model.buffers()]  # the compiling step must not count as a step
+    # The compiling step must not count as a step: its buffer writes and its draws are undone.
+    buffers = [b.clone() for b in model.buffers()]
+    programs = [model, forward] if isinstance(forward, nn.Module) else [model]  # forward: a module or a function
+    rng = ({example_input.device}, [g for program in programs for g in generators_of(program)])
+    drawn_from = rng_state(rng)
     start = time.perf_counter()
     run()
     if device == "cuda":
@@ -213,6 +250,7 @@ def compiled_step(forward, model: nn.Module, example_input: torch.Tensor, loss_f
     with torch.no_grad():
         for buffer, value in zip(model.buffers(), buffers):
             buffer.copy_(value)
+    set_rng_state(drawn_from)
     _clear_grads(model)
     return run
 
@@ -260,9 +298,16 @@ def _replayed_step(forward, model, example_input, loss_fn, patches, partition, c
     backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
                            decompositions=select_decomp_table, partition_fn=partition)
     start = time.perf_counter()
-    with _patched(patches), context():
-        # fullgraph: the replay runs one forward and one backward graph
-        loss_fn(torch.compile(forward, backend=backend, fullgraph=True)(example_input)).backward()
+    # On meta a tensor the program makes without naming a device is made on meta (NOTE [random draws on
+    # constants] in trace.py); fullgraph: the replay runs one forward and one backward graph.
+    with _patched(patches), context(), torch.device("meta"):
+        try:
+            loss_fn(torch.compile(forward, backend=backend, fullgraph=True)(example_input)).backward()
+        except torch._dynamo.exc.Unsupported as error:  # a graph break (NOTE [graph breaks])
+            raise Inapplicable(
+                "compile=true on meta replays the step's one forward and one backward graph, and dynamo breaks "
+                f"this program into several ({str(error).splitlines()[0]}); measure it on cpu or cuda, or run "
+                "it with compile=false") from None
     compile_time_s = time.perf_counter() - start
     _clear_grads(model)
     placeholders = [n.name for n in graphs["backward"].graph.find_nodes(op="placeholder")]

@@ -19,12 +19,13 @@ order it was saved.
 NOTE [replaying side effects]
 A recomputed layer must compute what it computed in the forward pass, and do nothing else, whatever the
 layer is. Both are done by mechanism, with no list of layer types:
-- Randomness. Before each fx node of a recomputed value runs in the forward pass, the RNG state of the CPU
-  and of every CUDA device the step uses is taken; if the node moved it (it drew numbers: a dropout
+- Randomness. Before each fx node of a recomputed value runs in the forward pass, the RNG state of the CPU,
+  of every CUDA device the step uses and of every ``torch.Generator`` the program holds (in a call's
+  arguments or as a module's attribute) is taken; if the node moved it (it drew numbers: a dropout
   module, ``F.dropout``, MHA's or SDPA's ``dropout_p``, stochastic depth's ``bernoulli_``, a user's
-  ``torch.rand``), the state is kept, and the recomputation sets it again before that node, as
-  ``torch.utils.checkpoint``'s ``preserve_rng_state`` does per region. The program's own RNG stream goes
-  on afterwards as if nothing had been recomputed.
+  ``torch.rand`` or ``torch.randperm(n, generator=self.generator)``), the state is kept, and the
+  recomputation sets it again before that node, as ``torch.utils.checkpoint``'s ``preserve_rng_state``
+  does per region. The program's own RNG streams go on afterwards as if nothing had been recomputed.
 - State. A recomputed fx node runs with the buffers it can reach (its module's, for a module call; the
   buffers among its inputs, for a function or method) copied first and put back after: BatchNorm's
   running statistics and batch count, through a module or ``F.batch_norm``, or any module that counts or
@@ -172,7 +173,9 @@ class _Step:
         args = iter(inputs)
         module = self.traced.module
         self.static = {id(t.untyped_storage()) for t in list(module.parameters()) + list(module.buffers()) + list(inputs)}
-        self.devices = {t.device for t in [*module.parameters(), *module.buffers(), *inputs]}
+        # A recomputation may run on autograd's device thread, where a default device set here is not.
+        self.default_device = torch.get_default_device()
+        self.rng = ({t.device for t in [*module.parameters(), *module.buffers(), *inputs]}, generators_of(module))
         for node in self.order:
             if node.op == "output":
                 return self._load(node.args[0])
@@ -355,7 +358,7 @@ class _Step:
         # as the simulator frees it (a value no backward reads: a downsampling branch read by an addition).
         finals = {self.traced.members[g][-1] for g in groups if self.value_tokens.get(g)}
         env = {}
-        with torch.no_grad(), _preserved_rng(self.devices):
+        with torch.no_grad(), _preserved_rng(self.rng), torch.device(self.default_device):
             for node in order:
                 load = lambda a: self._load(a, env)  # noqa: E731
                 if node.name in self.extra_nodes:
@@ -429,15 +432,15 @@ class _Step:
         """Run one fx node; a node of a recomputed value replays its randomness and state writes (NOTE
         [replaying side effects])."""
         if not recompute and node.name in self.recomputable:
-            before = _rng_state(self.devices)
+            before = rng_state(self.rng)
             value = self._call(node, args, kwargs)
-            if not _same_rng_state(before, _rng_state(self.devices)):
+            if not _same_rng_state(before, rng_state(self.rng)):
                 self.rng_states[node.name] = before
             return value
         if not recompute:
             return self._call(node, args, kwargs)
         if node.name in self.rng_states:
-            _set_rng_state(self.rng_states[node.name])
+            set_rng_state(self.rng_states[node.name])
         written = written_state(self.traced.module, node, args, kwargs, self.buffer_ids)
         before = [t.detach().clone() for t in written]
         value = self._call(node, args, kwargs)
@@ -564,27 +567,42 @@ def _fetch_attr(module: torch.nn.Module, target: str):
     return value
 
 
-def _rng_state(devices) -> tuple:
+def generators_of(module: torch.nn.Module) -> list[torch.Generator]:
+    """The ``torch.Generator``s a program draws from besides the default ones: those among its calls'
+    arguments (an fx module's) and those its modules hold."""
+    nodes = module.graph.nodes if isinstance(module, fx.GraphModule) else ()
+    found = [g for node in nodes for g in tree_leaves((node.args, node.kwargs)) if isinstance(g, torch.Generator)]
+    found += [g for m in module.modules() for g in vars(m).values() if isinstance(g, torch.Generator)]
+    return list({id(g): g for g in found}.values())
+
+
+def rng_state(rng: tuple) -> tuple:
+    """The states of the default CPU generator, of the CUDA devices' and of the program's own generators."""
+    devices, generators = rng
     cuda = sorted({d for d in devices if d.type == "cuda"}, key=lambda d: d.index or 0)
-    return torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in cuda]
+    return (torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in cuda],
+            [(g, g.get_state()) for g in generators])
 
 
 def _same_rng_state(a: tuple, b: tuple) -> bool:
-    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for (_, x), (_, y) in zip(a[1], b[1]))
+    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for part in (1, 2)
+                                           for (_, x), (_, y) in zip(a[part], b[part]))
 
 
-def _set_rng_state(state: tuple):
-    cpu, cuda = state
+def set_rng_state(state: tuple):
+    cpu, cuda, generators = state
     torch.set_rng_state(cpu)
     for device, s in cuda:
         torch.cuda.set_rng_state(s, device)
+    for generator, s in generators:
+        generator.set_state(s)
 
 
 @contextlib.contextmanager
-def _preserved_rng(devices):
+def _preserved_rng(rng: tuple):
     """Recomputation replays RNG states; the program's own RNG stream continues as if it had not."""
-    state = _rng_state(devices)
+    state = rng_state(rng)
     try:
         yield
     finally:
-        _set_rng_state(state)
+        set_rng_state(state)

@@ -176,15 +176,18 @@ def measure(step: Callable[[], object], model: torch.nn.Module, inputs: tuple[to
     check_device(device)
     if compiled and device != "meta":
         return _measure_compiled(step, model, device, warmup_steps, timed_steps)
-    tracked = _tracked_step(step, model, inputs)
     if device == "meta":
-        # Counted in a step of its own: the counter's module hooks hold tensors the tracker would count.
-        with FlopCounterMode(display=False) as flops:
-            step()
+        # A tensor the program makes without naming a device is made on meta too, as in the trace.
+        with torch.device("meta"):
+            tracked = _tracked_step(step, model, inputs)
+            # Counted in a step of its own: the counter's module hooks hold tensors the tracker would count.
+            with FlopCounterMode(display=False) as flops:
+                step()
         _clear_grads(model)
         return Measurement(device="meta", method="meta-tracker", peak_bytes=tracked.peak_bytes,
                            tracker_peak_bytes=tracked.peak_bytes, device_name="meta", **_parts(tracked),
                            step_flops=flops.get_total_flops())
+    tracked = _tracked_step(step, model, inputs)
     if device == "cpu":
         times = _timed(step, model, warmup_steps, timed_steps, _wall_ms)
         return Measurement(device="cpu", method="cpu-tracker+wall-clock", peak_bytes=tracked.peak_bytes,

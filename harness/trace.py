@@ -60,6 +60,20 @@ Function's ``apply``: the executor runs the real Function, its backward included
 on ``ctx`` itself is out of the hooks' sight: it lives to the Function's backward whatever the plan, and
 the replay does not count it.
 
+NOTE [random draws on constants]
+fx records a call only when a traced value is among its arguments; any other call runs once, while fx
+traces, and its result is kept as a constant. For a draw (``torch.randperm(8)``, ``torch.randn(8)``,
+``torch.empty(8).uniform_()``, ``torch.rand(8, generator=self.generator)``) that meant one permutation or
+one noise for every step, under every plan, vanilla included. So while fx traces, a call on no traced
+value that draws random numbers (ATen's ``nondeterministic_seeded`` tag, as ``random_nodes`` uses) is
+recorded as a node, and the generators it drew from are put back: the trace draws nothing. The executor
+replays such a node like any draw, from the default generators or from the model's own (NOTE [replaying
+side effects] in ``harness/execute.py``). A tensor the program makes without naming a device is made on
+the default device, which the meta runs (the trace's, ``measure``'s, the compiled replay's, and a
+recomputation on autograd's thread) set to meta: a cpu model's noise would otherwise meet meta values. A
+draw whose value steers Python control flow (``if torch.rand(1) < p``) now fails to trace as data-dependent
+control flow, where fx kept one branch.
+
 NOTE [state the forward writes]
 fx proxies parameters but not buffers: ``self.steps.add_(1)`` runs on the real buffer while fx traces and
 leaves no node, so the program would never write it (and the trace would have written the model's
@@ -108,6 +122,7 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
@@ -145,25 +160,27 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
     if cost_model not in COST_MODELS:
         raise ValueError(f"unknown cost_model {cost_model!r}; valid: {', '.join(COST_MODELS)}")
     gm = _symbolic_trace(model)
-    meta_module = gm if _on_meta(gm) else _meta_copy(gm)
-    probe = _Probe(meta_module, cost_model)
-    with torch.enable_grad():
-        output = probe.run(example_input.to("meta").requires_grad_(False))
-    if probe.out_of_place:  # where the probe ran a copy, the same out-of-place turns here
-        for node in gm.graph.nodes:
-            if node.name in probe.out_of_place:
-                node.target = _AUGMENTED.get(node.target, node.target)
-        gm.recompile()
-    loss_fn = loss_fn or sum_loss  # the executor's default
-    shares, work, early = _gradients(probe, output, loss_fn)
-    peaks = _backward_peaks(meta_module, probe.group_of, probe.view_names, example_input, loss_fn)
-    traced = probe.result(gm, shares, work, peaks, early)
+    # On meta, a tensor the program makes without naming a device (``torch.randn(8)``) is made on meta too.
+    with torch.device("meta"):
+        meta_module = gm if _on_meta(gm) else _meta_copy(gm)
+        probe = _Probe(meta_module, cost_model)
+        with torch.enable_grad():
+            output = probe.run(example_input.to("meta").requires_grad_(False))
+        if probe.out_of_place:  # where the probe ran a copy, the same out-of-place turns here
+            for node in gm.graph.nodes:
+                if node.name in probe.out_of_place:
+                    node.target = _AUGMENTED.get(node.target, node.target)
+            gm.recompile()
+        loss_fn = loss_fn or sum_loss  # the executor's default
+        shares, work, early = _gradients(probe, output, loss_fn)
+        peaks = _backward_peaks(meta_module, probe.group_of, probe.view_names, example_input, loss_fn)
+        traced = probe.result(gm, shares, work, peaks, early)
 
-    def node_of(t: torch.Tensor) -> int | None:
-        g = probe._group(_storage(t))
-        return None if g is None else traced.group_of[probe.groups[g]["final"].name]
+        def node_of(t: torch.Tensor) -> int | None:
+            g = probe._group(_storage(t))
+            return None if g is None else traced.group_of[probe.groups[g]["final"].name]
 
-    loss = _loss_fields(output, loss_fn, node_of, len(traced.graph))
+        loss = _loss_fields(output, loss_fn, node_of, len(traced.graph))
     return dataclasses.replace(traced, graph=traced.graph.replace(**loss))
 
 
@@ -447,6 +464,34 @@ def _applying(cls: type) -> Callable:
     return call
 
 
+class _DrawsAsCalls(TorchFunctionMode):
+    """While fx traces, a torch call on no traced value that draws random numbers is recorded as a node
+    (NOTE [random draws on constants])."""
+
+    def __init__(self, tracer: fx.Tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = tree_leaves((args, kwargs))
+        if any(isinstance(a, fx.Proxy) for a in leaves):
+            return func(*args, **kwargs)
+        generators = [g for g in leaves if isinstance(g, torch.Generator)]
+        states = [g.get_state() for g in generators]
+        cpu, cuda = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        with _Draws() as draws:
+            value = func(*args, **kwargs)
+        if not draws.seen:
+            return value
+        for g, state in zip(generators, states):  # the trace draws nothing
+            g.set_state(state)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        return self.tracer.create_proxy("call_function", func, args, kwargs)
+
+
 def grad_mode(node: fx.Node):
     """The grad mode the model's code ran ``node`` in (NOTE [grad mode])."""
     return torch.no_grad() if node.meta.get("no_grad") else contextlib.nullcontext()
@@ -481,7 +526,7 @@ def _fx_trace(model: torch.nn.Module, proxy_buffers: bool) -> fx.GraphModule:
     try:
         tracer = _Tracer()
         tracer.proxy_buffer_attributes = proxy_buffers
-        with torch.enable_grad(), _functions_as_calls():
+        with torch.enable_grad(), _functions_as_calls(), _DrawsAsCalls(tracer):
             graph = tracer.trace(model)
         return fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as error:  # fx raises TraceError, but also TypeError/AttributeError from user code

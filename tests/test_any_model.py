@@ -15,6 +15,8 @@ import strategies
 from harness import nets
 from harness.exact import compare, switch_on_randomness
 from harness.execute import execute
+from harness.measure import measure
+from harness.run import fixed_bytes
 from harness.trace import TraceFailure, trace
 
 # torchvision models at small sizes, dropout and stochastic depth on: (name, side, builder kwargs).
@@ -451,6 +453,52 @@ def test_a_recomputation_frees_what_its_rerun_saved():
     predicted = strategies.simulate(traced.graph, plan).peak_bytes + fixed_bytes(model, x)
     measured = measure(lambda: execute(traced, plan, x, loss_fn=loss_fn), model, (x,), "meta", 0, 0).peak_bytes
     assert measured <= 1.1 * predicted, (measured, predicted)
+
+
+class UntracedDraws(nn.Module):
+    """Draws on no traced value, which fx ran once while it traced and kept as constants: a permutation of
+    the features, noise of a fixed shape made with no device named, and a mask (from the model's own
+    generator, where it has one)."""
+
+    def __init__(self, own_generator: bool = True):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.generator = torch.Generator().manual_seed(1) if own_generator else None
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))[:, torch.randperm(8)]
+        h = torch.tanh(self.b(h + 0.1 * torch.randn(8)))
+        return self.c(h * (torch.rand(8, generator=self.generator) > 0.5))
+
+
+def test_draws_on_no_traced_value_are_drawn_every_step_and_replayed():
+    # NOTE [random draws on constants] in harness/trace.py: fx kept one permutation and one noise for every
+    # step (wrong under every plan, vanilla included), and a recomputation drew the mask again from the
+    # model's generator (NOTE [replaying side effects]).
+    torch.manual_seed(0)
+    model, x = UntracedDraws().train(), torch.randn(8, 8)
+    loss_fn = lambda out: out.square().sum()  # noqa: E731
+    traced = trace(model, x, loss_fn=loss_fn)
+    assert {"randperm", "randn", "rand"} <= traced.random_nodes
+    every_node = strategies.Plan.from_stages(traced.graph, [strategies.bits([v]) for v in range(len(traced.graph))])
+    for plan in (strategies.solve("vanilla", traced.graph), every_node, strategies.solve("chen_sqrt", traced.graph)):
+        difference = compare(model, x, loss_fn, lambda: execute(traced, plan, x, loss_fn=loss_fn))
+        assert difference.exact, (plan.stages, difference)
+    # The model's generator goes on as in plain PyTorch, recomputations or not.
+    start = model.generator.get_state()
+    model(x)
+    after_plain = model.generator.get_state()
+    model.generator.set_state(start)
+    execute(traced, every_node, x, loss_fn=loss_fn)
+    assert torch.equal(model.generator.get_state(), after_plain)
+    # On meta, the noise made with no device named is made on meta, and the step is predicted to the byte.
+    meta_model = UntracedDraws().to("meta")
+    meta_x = x.to("meta")
+    meta_traced = trace(meta_model, meta_x, loss_fn=loss_fn)
+    plan = strategies.solve("chen_sqrt", meta_traced.graph)
+    measured = measure(lambda: execute(meta_traced, plan, meta_x, loss_fn=loss_fn), meta_model, (meta_x,), "meta")
+    predicted = strategies.simulate(meta_traced.graph, plan).peak_bytes + fixed_bytes(meta_model, meta_x)
+    assert measured.peak_bytes == predicted
 
 
 def test_draws_keep_program_order_when_stages_reorder_the_forward():

@@ -208,3 +208,45 @@ def test_a_model_that_writes_its_buffers_outside_a_layer_is_refused_under_compil
     with pytest.raises(strategies.Inapplicable, match=r"compile=true: the model writes .* \(add_, add__1, mul_\)"):
         check_compilable(strategies.solve("chen_sqrt", traced.graph), traced)
     check_compilable(strategies.solve("vanilla", traced.graph), traced)  # recomputes nothing: compiles
+
+
+def test_draws_on_no_traced_value_under_compile():
+    """NOTE [random draws on constants] in harness/trace.py, compiled: a permutation, a noise and a mask drawn
+    on no traced value are drawn every step and replayed by a recomputing plan. A draw from the model's own
+    generator compiles (dynamo runs it between two graphs, and the compiling step does not draw for the
+    step) where the plan recomputes nothing."""
+    from test_any_model import UntracedDraws
+
+    loss_fn = nets.sum_loss
+    for own_generator, name in ((False, "chen_sqrt"), (True, "vanilla")):
+        torch.manual_seed(0)
+        model, x = UntracedDraws(own_generator).double(), torch.randn(8, 8, dtype=torch.double)
+        reference = copy.deepcopy(model)
+        traced = trace(model, x, loss_fn=loss_fn)
+        step = plan_step(traced, strategies.solve(name, traced.graph), x, loss_fn)
+        torch.manual_seed(1)
+        reference_loss = loss_fn(reference(x))
+        reference_loss.backward()
+        torch.manual_seed(1)
+        assert_same_step_in_float64(model, reference, step(), reference_loss)
+
+
+def test_a_plan_that_recomputes_across_a_graph_break_is_refused_naming_the_value():
+    """NOTE [graph breaks]: the value a draw from the model's own generator or a reentrant checkpoint hands
+    the next graph cannot be recomputed there (the partitioner failed with 'Node ... was invalid, but is
+    output'); on meta, where the replay compiles one graph, any graph break refuses the step."""
+    from test_any_model import CustomFunctions, UntracedDraws
+
+    for model_type, value in ((UntracedDraws, "rand"), (CustomFunctions, "checkpoint_function_apply")):
+        torch.manual_seed(0)
+        model, x = model_type().double(), torch.randn(8, 8, dtype=torch.double)
+        traced = trace(model, x, loss_fn=nets.sum_loss)
+        plan = strategies.solve("chen_sqrt", traced.graph)
+        assert plan.recomputed >> traced.graph.names.index(value) & 1
+        with pytest.raises(strategies.Inapplicable, match=rf"chen_sqrt under compile=true: it recomputes {value}, "
+                                                          "whose value dynamo hands from one compiled graph"):
+            plan_step(traced, plan, x, nets.sum_loss)
+    model, x = CustomFunctions().to("meta"), torch.randn(8, 8, device="meta")
+    traced = trace(model, x, loss_fn=nets.sum_loss)
+    with pytest.raises(strategies.Inapplicable, match=r"on meta replays .* dynamo breaks this program"):
+        plan_step(traced, strategies.solve("vanilla", traced.graph), x, nets.sum_loss)
