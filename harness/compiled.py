@@ -60,9 +60,8 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from harness.execute import generators_of, rng_state, set_rng_state
 from harness.measure import MemoryTracker
-from harness.trace import Traced
+from harness.trace import Traced, generators_of, rng_state, set_rng_state
 from strategies import Inapplicable, Plan
 
 

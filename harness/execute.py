@@ -65,7 +65,7 @@ from torch.utils._pytree import tree_leaves
 
 from harness.measure import on_host
 from harness.nets import sum_loss
-from harness.trace import Traced, grad_mode, written_state
+from harness.trace import Traced, generators_of, grad_mode, rng_state, set_rng_state, written_state
 from strategies import Plan, members
 
 
@@ -567,35 +567,9 @@ def _fetch_attr(module: torch.nn.Module, target: str):
     return value
 
 
-def generators_of(module: torch.nn.Module) -> list[torch.Generator]:
-    """The ``torch.Generator``s a program draws from besides the default ones: those among its calls'
-    arguments (an fx module's) and those its modules hold."""
-    nodes = module.graph.nodes if isinstance(module, fx.GraphModule) else ()
-    found = [g for node in nodes for g in tree_leaves((node.args, node.kwargs)) if isinstance(g, torch.Generator)]
-    found += [g for m in module.modules() for g in vars(m).values() if isinstance(g, torch.Generator)]
-    return list({id(g): g for g in found}.values())
-
-
-def rng_state(rng: tuple) -> tuple:
-    """The states of the default CPU generator, of the CUDA devices' and of the program's own generators."""
-    devices, generators = rng
-    cuda = sorted({d for d in devices if d.type == "cuda"}, key=lambda d: d.index or 0)
-    return (torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in cuda],
-            [(g, g.get_state()) for g in generators])
-
-
 def _same_rng_state(a: tuple, b: tuple) -> bool:
     return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for part in (1, 2)
                                            for (_, x), (_, y) in zip(a[part], b[part]))
-
-
-def set_rng_state(state: tuple):
-    cpu, cuda, generators = state
-    torch.set_rng_state(cpu)
-    for device, s in cuda:
-        torch.cuda.set_rng_state(s, device)
-    for generator, s in generators:
-        generator.set_state(s)
 
 
 @contextlib.contextmanager

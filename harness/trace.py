@@ -477,24 +477,45 @@ class _DrawsAsCalls(TorchFunctionMode):
         leaves = tree_leaves((args, kwargs))
         if any(isinstance(a, fx.Proxy) for a in leaves):
             return func(*args, **kwargs)
-        generators = [g for g in leaves if isinstance(g, torch.Generator)]
-        states = [g.get_state() for g in generators]
-        cpu, cuda = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        cuda = [torch.device("cuda", i) for i in range(torch.cuda.device_count() if torch.cuda.is_initialized() else 0)]
+        before = rng_state((cuda, [g for g in leaves if isinstance(g, torch.Generator)]))
         with _Draws() as draws:
             value = func(*args, **kwargs)
         if not draws.seen:
             return value
-        for g, state in zip(generators, states):  # the trace draws nothing
-            g.set_state(state)
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
+        set_rng_state(before)  # the trace draws nothing
         return self.tracer.create_proxy("call_function", func, args, kwargs)
 
 
 def grad_mode(node: fx.Node):
     """The grad mode the model's code ran ``node`` in (NOTE [grad mode])."""
     return torch.no_grad() if node.meta.get("no_grad") else contextlib.nullcontext()
+
+
+def generators_of(module: torch.nn.Module) -> list[torch.Generator]:
+    """The ``torch.Generator``s a program draws from besides the default ones: those among its calls'
+    arguments (an fx module's) and those its modules hold."""
+    nodes = module.graph.nodes if isinstance(module, fx.GraphModule) else ()
+    found = [g for node in nodes for g in tree_leaves((node.args, node.kwargs)) if isinstance(g, torch.Generator)]
+    found += [g for m in module.modules() for g in vars(m).values() if isinstance(g, torch.Generator)]
+    return list({id(g): g for g in found}.values())
+
+
+def rng_state(rng: tuple) -> tuple:
+    """The states of the default CPU generator, of the CUDA devices' and of the program's own generators."""
+    devices, generators = rng
+    cuda = sorted({d for d in devices if d.type == "cuda"}, key=lambda d: d.index or 0)
+    return (torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in cuda],
+            [(g, g.get_state()) for g in generators])
+
+
+def set_rng_state(state: tuple):
+    cpu, cuda, generators = state
+    torch.set_rng_state(cpu)
+    for device, s in cuda:
+        torch.cuda.set_rng_state(s, device)
+    for generator, s in generators:
+        generator.set_state(s)
 
 
 def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
