@@ -24,6 +24,17 @@ memory at the compiler's speed.
 Backends as for the compile peer (below): inductor on cuda (the tagging is its ``joint_custom_pre_pass``),
 ``aot_eager_decomp_partition``'s pipeline on cpu, and on meta an AOT replay of the partitioned graphs.
 
+NOTE [written inputs under compile]
+A step that writes a buffer (BatchNorm's running statistics, spectral normalisation's ``_u`` and ``_v``, a
+counter or an EMA written outside a layer) writes the graph's input: a ``copy_`` into it at the end of the
+forward graph (``keep_inference_input_mutations``, as inductor compiles; the cpu and meta pipelines ask for
+it too). An op that reads the input before the write and that the partitioner recomputes in the backward
+would read it after the write: AOTAutograd stops ("modified by an inplace operation") where it sees the
+saved input, and would compute from the new state where it did not. So ``tag_plan`` makes every op that
+reads a written input (through views) ``MUST_SAVE``: never recomputed, and saved only where the backward
+needs it (a spectral norm's first products; BatchNorm's update of its statistics is read by nothing
+there). pytorch/pytorch#197039 proposes the same in the partitioner itself.
+
 NOTE [graph breaks]
 Where dynamo cannot trace a call (a reentrant ``checkpoint``, a draw from a ``torch.Generator`` of the
 model's own), it runs the call eagerly and compiles the program as several graphs, and each graph is
@@ -142,9 +153,27 @@ def tag_plan(graph: fx.Graph, recomputed: int) -> None:
     for op, v in node_of.items():
         if recomputed >> v & 1:
             op.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    for op in _reads_of_written_inputs(graph):
+        op.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     for node in marks:
         node.replace_all_uses_with(node.args[0])
         graph.erase_node(node)
+
+
+def _reads_of_written_inputs(graph: fx.Graph) -> list[fx.Node]:
+    """The ops that read a graph input the step writes (a ``copy_`` into it: a buffer), through views
+    (NOTE [written inputs under compile])."""
+    written = [n.args[0] for n in graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
+               if n.args[0].op == "placeholder"]
+    reads, seen = [], set(written)
+    while written:
+        node = written.pop()
+        for user in node.users:
+            if user in seen or (user.target is torch.ops.aten.copy_.default and user.args[0] is node):
+                continue
+            seen.add(user)
+            (written if _is_view(user) else reads).append(user)
+    return reads
 
 
 class AcrossGraphs(Exception):
@@ -227,7 +256,7 @@ def compiled_step(forward, model: nn.Module, example_input: torch.Tensor, loss_f
 
         # aot_eager_decomp_partition, with the plan's partition where there is one
         backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, decompositions=select_decomp_table,
-                               partition_fn=partition)
+                               partition_fn=partition, keep_inference_input_mutations=True)
     compiled = torch.compile(forward, backend=backend)
 
     def run():
@@ -294,8 +323,8 @@ def _replayed_step(forward, model, example_input, loss_fn, patches, partition, c
             return call
         return compiler
 
-    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                           decompositions=select_decomp_table, partition_fn=partition)
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"), decompositions=select_decomp_table,
+                           partition_fn=partition, keep_inference_input_mutations=True)
     start = time.perf_counter()
     # On meta a tensor the program makes without naming a device is made on meta (NOTE [random draws on
     # constants] in trace.py); fullgraph: the replay runs one forward and one backward graph.
@@ -313,8 +342,8 @@ def _replayed_step(forward, model, example_input, loss_fn, patches, partition, c
     saved_count = sum(1 for name in placeholders if not name.startswith("tangents"))
 
     def run():
-        # The forward graph returns the buffers it updates (BatchNorm statistics; nothing to put back on
-        # meta), then the model's output, then what the backward graph takes before the output's gradient.
+        # The forward graph writes the buffers it updates (NOTE [written inputs under compile]) and returns
+        # the model's output, then what the backward graph takes before the output's gradient.
         with torch.no_grad():
             outputs = _Replay(graphs["forward"]).run(*arguments)
         saved = list(outputs[len(outputs) - saved_count:])

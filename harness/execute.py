@@ -26,11 +26,17 @@ layer is. Both are done by mechanism, with no list of layer types:
   ``torch.rand`` or ``torch.randperm(n, generator=self.generator)``), the state is kept, and the
   recomputation sets it again before that node, as ``torch.utils.checkpoint``'s ``preserve_rng_state``
   does per region. The program's own RNG streams go on afterwards as if nothing had been recomputed.
-- State. A recomputed fx node runs with the buffers it can reach (its module's, for a module call; the
-  buffers among its inputs, for a function or method) copied first and put back after: BatchNorm's
-  running statistics and batch count, through a module or ``F.batch_norm``, or any module that counts or
-  averages, are updated once per step. (Neither version counters nor op schemas tell: ``native_batch_norm``
-  writes its running statistics without declaring it.) A write to state by a node of its own
+- State. The buffers an fx node of a recomputed value can reach (its module's, for a module call; the
+  buffers among its inputs, for a function or method) are copied before its forward call; the
+  recomputation sets them to that copy, runs, and puts back what the forward left. So a layer whose
+  output reads the state it writes (spectral normalisation's power iteration, a running statistic it
+  divides by) recomputes what its forward computed (started from the state the forward left, it
+  normalised by another estimate: gradients off by up to 57%), and BatchNorm's running statistics and
+  batch count, through a module or ``F.batch_norm``, or any module that counts or averages, are updated
+  once per step. (Neither version counters nor op schemas tell which buffers a call writes:
+  ``native_batch_norm`` writes its running statistics without declaring it.) The copies live from the
+  forward call to the recomputation, or to the end of the forward pass where no backward calls for the
+  stage; the replay counts them (``Graph.recompute_state_bytes``). A write to state by a node of its own
   (``self.steps.add_(1)``) is outside the IR and runs once, in the forward pass (NOTE [state the forward
   writes] in ``harness/trace.py``).
 - Grad mode. A node the model ran under ``no_grad`` runs under it here too (NOTE [grad mode] there).
@@ -134,6 +140,7 @@ class _Step:
     cache_stages: dict[int, set[int]] = field(default_factory=dict)  # kept group -> stages still to read it
     recomputed: dict[int, torch.Tensor] = field(default_factory=dict)
     rng_states: dict[str, object] = field(default_factory=dict)  # fx node that drew numbers -> RNG state before it
+    state_before: dict[str, list] = field(default_factory=dict)  # recomputed fx node -> the state its call found
     constants: dict[str, object] = field(default_factory=dict)  # inputs and non-tensor values
     extra_nodes: set[str] = field(default_factory=set)  # recomputed fx nodes that saved extras
     extras: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # recomputed extras, until unpacked
@@ -251,6 +258,9 @@ class _Step:
         for g in list(self.cache_stages):
             self.cache_stages[g] &= needed
             self._release_cache(g)
+        for name in list(self.state_before):  # a stage no backward reads is not recomputed
+            if self.stage_of[self.traced.group_of[name]] not in needed:
+                del self.state_before[name]
 
     # -- saved tensors --------------------------------------------------------------------------------
 
@@ -433,6 +443,9 @@ class _Step:
         [replaying side effects])."""
         if not recompute and node.name in self.recomputable:
             before = rng_state(self.rng)
+            written = written_state(self.traced.module, node, args, kwargs, self.buffer_ids)
+            if written:  # the state as this call finds it, for the recomputation to start from
+                self.state_before[node.name] = [t.detach().clone() for t in written]
             value = self._call(node, args, kwargs)
             if not _same_rng_state(before, rng_state(self.rng)):
                 self.rng_states[node.name] = before
@@ -442,10 +455,16 @@ class _Step:
         if node.name in self.rng_states:
             set_rng_state(self.rng_states[node.name])
         written = written_state(self.traced.module, node, args, kwargs, self.buffer_ids)
-        before = [t.detach().clone() for t in written]
+        found = self.state_before.pop(node.name, [])
+        after = []
+        with torch.no_grad():
+            for i, t in enumerate(written):  # one buffer at a time: the copy of the state as found goes
+                after.append(t.detach().clone())
+                t.copy_(found[i])
+                found[i] = None
         value = self._call(node, args, kwargs)
         with torch.no_grad():
-            for t, old in zip(written, before):
+            for t, old in zip(written, after):
                 t.copy_(old)
         return value
 

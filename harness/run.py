@@ -116,7 +116,7 @@ def _measure_cell(row: dict) -> dict:
         if plan.info.get("runner"):
             step = peers.step(plan, model, structure, example_input, loss_fn, compile=row["compiled"])
         elif row["compiled"]:
-            check_compilable(plan, traced)
+            check_compilable(plan)
             step = compiled_plan_step(traced, plan, example_input, loss_fn)
         else:
             step = lambda: execute(traced, plan, example_input, loss_fn=loss_fn)  # noqa: E731
@@ -146,18 +146,12 @@ _MEASURED = {"method": "method", "device_name": "device_name", "measured_peak_by
              "measured_step_flops": "step_flops"}
 
 
-def check_compilable(plan, traced) -> None:
+def check_compilable(plan) -> None:
     """Raise ``Inapplicable`` for a plan that cannot run under ``torch.compile``."""
     if plan.swapped:
         raise strategies.Inapplicable(
             f"{plan.strategy} under compile=true: its copies to host memory are made by saved-tensor hooks "
             "(NOTE [swapping] in harness/execute.py), which compiled code never runs; run it with compile=false")
-    if plan.recomputed and traced.writes_state:
-        raise strategies.Inapplicable(
-            f"{plan.strategy} under compile=true: the model writes an input, parameter or buffer in place outside "
-            f"a layer ({', '.join(sorted(traced.writes_state))}), and AOTAutograd's partitioner, told to recompute "
-            "a reader, would recompute it from the written tensor (AOTAutograd refuses: a saved input modified "
-            "in place); run it with compile=false")
 
 
 def _measured(measured) -> dict:

@@ -745,7 +745,7 @@ class _Probe(fx.Interpreter):
         group["cost"] += _cost(node, self.module, self.cost_model, flop_count)
         group["flops"] += flop_count
         group["params"] += _param_bytes(node, self.module)
-        group["state"] = max(group["state"], state)  # one call's copies at a time
+        group["state"] += state  # each call's copy of the state it found, held to its recomputation
         self.group_of[node.name] = g
         for t in saved:
             owner = self._group(_storage(t))

@@ -99,9 +99,9 @@ class Graph:
     ``backward_work_bytes[v]`` is the most the backward of ``v``'s layer holds in gradients it passes
     among its own autograd nodes (an in-place ReLU's gradient on its way to the convolution it follows),
     beside the gradient it received and those it hands on; zero on hand-written graphs.
-    ``recompute_state_bytes[v]`` is what a recomputation of ``v``'s layer holds while it runs besides its
-    value and extras: the copies of the state the layer writes (BatchNorm's running statistics), put back
-    after the call (``harness/execute.py``, NOTE [replaying side effects]); zero on hand-written graphs.
+    ``recompute_state_bytes[v]`` is the state ``v``'s layer calls may write (BatchNorm's running statistics),
+    of which a recomputed ``v`` keeps a copy, as its forward found it, to the end of its recomputation
+    (``harness/execute.py``, NOTE [replaying side effects]); zero on hand-written graphs.
     ``backward_peak_bytes[v]`` is the most the backward of ``v``'s layer holds above what was live as it
     began: the gradients it makes less what it frees on the way (its saved extras, as each of its autograd
     nodes finishes, and the gradient it received), forward values aside; measured in a plain step on a

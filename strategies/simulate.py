@@ -38,7 +38,9 @@ PyTorch's reference-counted autograd does):
   and seed (``loss_held_bytes``) stay to the step's end;
 - backward, in the reverse of that order (the autograd engine's): the first backward of a stage that
   needs a discarded value recomputes all the discarded values of that stage, from the kept ones (a
-  recomputed layer holds copies of the state it writes while it runs, ``Graph.recompute_state_bytes``); each
+  recomputed layer that may write state holds a copy of it, as its forward call found it, from that call
+  to the end of its recomputation, ``Graph.recompute_state_bytes``; to the end of the forward pass if its
+  stage is not recomputed; a checkpointed stage's, ``batchnorm_once``'s, only while it reruns); each
   backward allocates the gradients of its inputs and its parameters, then frees its output's gradient,
   its saved extras and every value no later backward reads. Gradients are buffers as autograd hands
   them on (``_Gradients``): an input may get the layer's own gradient or one buffer shared with another
@@ -97,7 +99,8 @@ NOTE [a schedule's replay]
 computes its row in node order; a value goes after the last reader of its stage unless the next stage
 holds it; what a layer saves besides its value comes with the computation of the value last before its
 backward (the one autograd records; the others run as the executor's discarded forward does), and a
-recomputation holds copies of the state it writes; the turn to the backward pass brings the loss's
+value computed again holds the state its first computation found, from then to its last computation (a
+computation between takes a copy of its own); the turn to the backward pass brings the loss's
 buffers and the outputs' gradients (the loss reads the outputs at once: ``loss_reads_outputs=False``);
 a backward node runs as ``_backward`` runs it (``_Gradients``; in-place members first, as soon as the
 value they read is here, before the stage's other recomputations). A gradient is computed once. On a
@@ -259,7 +262,11 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
     order = sorted(range(n), key=lambda v: (stage_of[v], v))  # stage by stage, as the executor runs
     for u in members(plan.swapped):
         assert not recompute_stages[u], f"simulator: swapped node {u} is read by a recomputation; it must stay"
-    steps = _forward(graph, order, kept, kept & ~in_checkpoint, plan.swapped, readers, recompute_stages)
+    # A recomputed layer that may write state keeps a copy of the state as its forward found it, to its
+    # recomputation or, where its stage is not recomputed, to the end of the forward pass.
+    found = {v for v in members(discarded & ~in_checkpoint) if graph.recompute_state_bytes[v]}
+    steps = _forward(graph, order, kept, kept & ~in_checkpoint, plan.swapped, readers, recompute_stages,
+                     found, sorted(v for v in found if stage_of[v] not in needed))
     steps += _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages, rebuilt, in_checkpoint,
                        copy, _frame_holds(graph, plan, stage_of))
     return steps
@@ -307,8 +314,10 @@ def _key(u: int, n: int) -> tuple:
     return ("value", u) if u < n else ("copy", u - n)
 
 
-def _forward(graph, order, kept, saves, swapped, readers, recompute_stages) -> list[Step]:
-    """``saves``: the kept nodes whose layers keep what they save (not those of a checkpointed stage)."""
+def _forward(graph, order, kept, saves, swapped, readers, recompute_stages, found, unread) -> list[Step]:
+    """``saves``: the kept nodes whose layers keep what they save (not those of a checkpointed stage);
+    ``found``: the nodes that keep a copy of the state their call found, ``unread`` those of them whose
+    stage is not recomputed."""
     def held(u):  # on the device into the backward pass
         return kept >> u & 1 and not swapped >> u & 1 and (readers[u] or recompute_stages[u])
 
@@ -318,6 +327,8 @@ def _forward(graph, order, kept, saves, swapped, readers, recompute_stages) -> l
     for v in order:
         allocs = [(("value", v), graph.mem_bytes[v])]
         frees = []
+        if v in found:
+            allocs.append((("state", v), graph.recompute_state_bytes[v]))
         if graph.saved_extra_bytes[v]:
             allocs.append((("extra", v), graph.saved_extra_bytes[v]))
             if not saves >> v & 1:  # a recomputed layer's extras go now and come back with it
@@ -332,7 +343,7 @@ def _forward(graph, order, kept, saves, swapped, readers, recompute_stages) -> l
     # The loss's forward: the model returned its outputs, so all of them are here. Then they go, unless a
     # backward reads them (the loss's own among them: ``readers``).
     loss = [(("loss_forward", -1), graph.loss_forward_bytes)] if graph.loss_forward_bytes else []
-    frees = [("value", v) for v in sorted(outputs) if not held(v)]
+    frees = [("value", v) for v in sorted(outputs) if not held(v)] + [("state", v) for v in unread]
     steps.append(Step(-1, "forward", tuple(loss), tuple(frees + [key for key, _ in loss])))
     return steps
 
@@ -376,7 +387,7 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
                 nodes = [w for w in nodes if w % n <= last]
             nodes.sort(key=lambda w: w % n)
             steps.extend(_recompute_stage(graph, nodes, copy, s, present, readers_left, stages_left,
-                                          release_if_done))
+                                          release_if_done, bool(plan.checkpointed >> s & 1)))
             for w in nodes:
                 extras_present[w % n] = bool(graph.saved_extra_bytes[w % n])
 
@@ -598,9 +609,15 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
             frees = [("value", i) for i in gone]
             if recorded[k] == t and graph.saved_extra_bytes[k]:
                 allocs.append((("extra", k), graph.saved_extra_bytes[k]))
-            if t != k and graph.recompute_state_bytes[k]:  # the copies of the state it writes
-                allocs.append((("state", k), graph.recompute_state_bytes[k]))
-                frees.append(("state", k))
+            if graph.recompute_state_bytes[k]:  # the state as the first call found it, to the last one
+                last = max(c for c in range(size) if computed[c] >> k & 1)
+                if t == k and last != k:
+                    allocs.append((("state", k), graph.recompute_state_bytes[k]))
+                elif t != k and t != last:  # the state this call leaves, put back after it
+                    allocs.append((("state_after", k), graph.recompute_state_bytes[k]))
+                    frees.append(("state_after", k))
+                elif t != k:
+                    frees.append(("state", k))
             present |= 1 << k
             # nothing reads it before its next computation (an output: the loss, at the turn)
             if not held_next >> k & 1 and not read_later(row, k, k) and not (t < n and outputs >> k & 1):
@@ -667,7 +684,7 @@ def _end(graph: Graph) -> Step:
                                           *([("loss_held", -1)] if graph.loss_held_bytes else [])]))
 
 
-def _recompute_stage(graph, nodes, copy, s, present, readers_left, stages_left, release_if_done):
+def _recompute_stage(graph, nodes, copy, s, present, readers_left, stages_left, release_if_done, checkpointed):
     """Stage ``s``'s recomputation of ``nodes`` (in order; ``u + n``: the rebuilt copy of kept ``u``)."""
     n = len(graph)
     reads = {w: [copy(u, w % n) for u in graph.preds[w % n]] for w in nodes}
@@ -692,8 +709,9 @@ def _recompute_stage(graph, nodes, copy, s, present, readers_left, stages_left, 
         allocs = [(_key(w, n), graph.mem_bytes[o])]
         if graph.saved_extra_bytes[o]:
             allocs.append((("extra", o), graph.saved_extra_bytes[o]))
-        if graph.recompute_state_bytes[o]:  # the copies of the state it writes, put back after the call
-            allocs.append((("state", o), graph.recompute_state_bytes[o]))
+        if graph.recompute_state_bytes[o]:  # the state as its forward found it, put back after the call
+            if checkpointed:  # ``batchnorm_once``'s copies, made now
+                allocs.append((("state", o), graph.recompute_state_bytes[o]))
             frees.append(("state", o))
         steps.append(Step(o, "recompute", tuple(allocs), tuple(frees)))
     for u in range(n):
