@@ -173,8 +173,8 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
             gm.recompile()
         loss_fn = loss_fn or sum_loss  # the executor's default
         shares, work, early = _gradients(probe, output, loss_fn)
-        peaks = _backward_peaks(meta_module, probe.group_of, probe.view_names, example_input, loss_fn)
-        traced = probe.result(gm, shares, work, peaks, early)
+        peaks, frees = _backward_peaks(meta_module, probe.group_of, probe.view_names, example_input, loss_fn)
+        traced = probe.result(gm, shares, work, peaks, early, frees)
 
         def node_of(t: torch.Tensor) -> int | None:
             g = probe._group(_storage(t))
@@ -260,15 +260,17 @@ def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict, dict]:
 
 
 def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set[str], example_input: torch.Tensor,
-                    loss_fn) -> dict[int, int]:
+                    loss_fn) -> tuple[dict[int, int], dict[int, tuple[set[int], int]]]:
     """The most each layer's backward holds above what was live as it began (``Graph.backward_peak_bytes``),
     seen in a plain training step on meta: the gradients it makes (working ones, its inputs', its
     parameters') less what it frees on the way (its saved extras as each of its autograd nodes finishes,
-    the gradient it received). Forward values are held as if never freed: the replay decides when they go."""
+    the gradient it received). Forward values are held as if never freed: the replay decides when they go.
+    Beside it, for each layer, the forward values its backward freed and the peak with them going as they
+    went (``Graph.backward_frees``)."""
     from harness.measure import MemoryTracker
 
     layers: dict[object, int] = {}  # autograd node -> the probe group whose layer call made it
-    values: set[int] = set()  # storages of IR nodes' values
+    values: dict[int, int] = {}  # storages of IR nodes' values -> their probe group
 
     class Claiming(fx.Interpreter):
         def run_node(self, node: fx.Node):
@@ -277,7 +279,7 @@ def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set
             g = group_of.get(node.name)
             if g is not None:
                 outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
-                values.update(id(_storage(t)) for t in outputs)
+                values.update((id(_storage(t)), g) for t in outputs)
                 # A view's backward (U-Net's crop, padding the gradient to the whole storage) runs as
                 # part of its reader's, where the replay makes the gradient it hands on.
                 if node.name not in views:
@@ -287,24 +289,32 @@ def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set
     class LayerPeaks(MemoryTracker):
         def __init__(self, *args):
             self.level = 0  # live bytes, forward values counted as never freed
-            self.layer, self.start = None, 0
+            self.freeing = 0  # live bytes
+            self.layer, self.start, self.freeing_start = None, 0, 0
             self.peaks: dict[int, int] = {}
+            self.frees: dict[int, tuple[set[int], int]] = {}  # layer -> (values it freed, peak as they went)
             super().__init__(*args)
 
         def _add(self, storage, part):
             known = id(storage) in self.live
             super()._add(storage, part)
             if not known:
-                values.discard(id(storage))  # a new storage, wherever an old value's id is reused
+                values.pop(id(storage), None)  # a new storage, wherever an old value's id is reused
                 self.level += storage.nbytes()
+                self.freeing += storage.nbytes()
                 if self.layer is not None:
                     self.peaks[self.layer] = max(self.peaks.get(self.layer, 0), self.level - self.start)
+                    freed, peak = self.frees.setdefault(self.layer, (set(), 0))
+                    self.frees[self.layer] = (freed, max(peak, self.freeing - self.freeing_start))
 
         def _free(self, key):
             size = self.live[key][0]
             super()._free(key)
+            self.freeing -= size
             if key in values:
-                values.discard(key)
+                g = values.pop(key)
+                if self.layer is not None:
+                    self.frees.setdefault(self.layer, (set(), 0))[0].add(g)
             else:
                 self.level -= size
 
@@ -312,7 +322,7 @@ def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set
             self._count_sum()  # a sum the engine made after the last layer's node is that layer's
             g = layers.get(torch._C._current_autograd_node())
             if g is not None and g != self.layer:
-                self.layer, self.start = g, self.level
+                self.layer, self.start, self.freeing_start = g, self.level, self.freeing
             return super().__torch_dispatch__(func, types, args, kwargs)
 
     x = example_input.to("meta")
@@ -320,7 +330,7 @@ def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set
     with torch.enable_grad(), LayerPeaks(module, (x,)) as tracker:
         loss_fn(Claiming(module).run(x)).backward()
     module.zero_grad(set_to_none=True)
-    return tracker.peaks
+    return tracker.peaks, tracker.frees
 
 
 def _new_autograd_nodes(outputs, known: dict) -> list:
@@ -767,7 +777,7 @@ class _Probe(fx.Interpreter):
                 self.in_place_nodes.add(fn)
 
     def result(self, gm: fx.GraphModule, shares: dict | None = None, work: dict | None = None,
-               peaks: dict | None = None, early: dict | None = None) -> Traced:
+               peaks: dict | None = None, early: dict | None = None, frees: dict | None = None) -> Traced:
         # The probe may run a meta copy of gm: match nodes by name.
         position = {node.name: i for i, node in enumerate(gm.graph.nodes)}
         order = sorted(range(len(self.groups)), key=lambda g: position[self.groups[g]["final"].name])
@@ -797,6 +807,9 @@ class _Probe(fx.Interpreter):
             backward_work_bytes=[(work or {}).get(g, 0) for g in order],
             recompute_state_bytes=[g["state"] for g in groups],
             backward_peak_bytes=None if peaks is None else [peaks.get(g, 0) for g in order],
+            backward_frees=None if frees is None else [
+                (sorted(rank[h] for h in freed if h in rank), peak)
+                for freed, peak in (frees.get(g, (set(), peaks.get(g, 0))) for g in order)],
             early_grads=[sorted(rank[h] for h in (early or {}).get(g, ()) if (rank[h], rank[g]) in edges) for g in order],
         )
         members = tuple(tuple(node.name for node in g["members"]) for g in groups)
