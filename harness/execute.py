@@ -31,7 +31,7 @@ layer is. Both are done by mechanism, with no list of layer types:
   recomputation sets them to that copy, runs, and puts back what the forward left. So a layer whose
   output reads the state it writes (spectral normalisation's power iteration, a running statistic it
   divides by) recomputes what its forward computed (started from the state the forward left, it
-  normalised by another estimate: gradients off by up to 57%), and BatchNorm's running statistics and
+  normalised by another estimate: gradients off by up to 95%), and BatchNorm's running statistics and
   batch count, through a module or ``F.batch_norm``, or any module that counts or averages, are updated
   once per step. (Neither version counters nor op schemas tell which buffers a call writes:
   ``native_batch_norm`` writes its running statistics without declaring it.) The copies live from the

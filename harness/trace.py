@@ -49,6 +49,15 @@ gradients would flow where the model sends none. The tracer notes each node made
 (``node.meta["no_grad"]``), and every runner runs it so: the probe, the executor (``grad_mode``) and the
 compiled path, whose fx module turns the mode off around it (``marked_module`` in ``harness/compiled.py``).
 
+NOTE [autocast in the forward]
+fx records calls, not the autocast they ran in, and the probe runs on meta, where ``torch.autocast``
+casts nothing: a ``with torch.autocast(...)`` block in a forward would be traced as float32 code, its
+values sized as float32, and run so by every plan, vanilla included (a bfloat16 block's gradients came
+out 0.6% off plain PyTorch's). Running the recorded nodes under their autocast again is not enough: a
+cast autocast makes (``h.float()`` after a bfloat16 block) is a new storage on the device and an alias on
+meta, so the IR's storages would not be the program's. The tracer notes each node made under autocast,
+and a model with one is refused, naming the call and its module.
+
 NOTE [custom autograd functions]
 fx traces through a custom ``torch.autograd.Function``: ``apply`` runs its forward on the proxies, which
 records the forward's ops and drops the Function's own backward (pytorch/pytorch#84515). The program
@@ -442,6 +451,10 @@ class _Tracer(fx.Tracer):
         node = super().create_node(*args, **kwargs)
         if not torch.is_grad_enabled():  # NOTE [grad mode]
             node.meta["no_grad"] = True
+        autocast = [f"{device}, {torch.get_autocast_dtype(device)}" for device in ("cpu", "cuda")
+                    if torch.is_autocast_enabled(device)]
+        if autocast:  # NOTE [autocast in the forward]
+            node.meta["autocast"] = "; ".join(autocast)
         return node
 
 
@@ -559,9 +572,16 @@ def _fx_trace(model: torch.nn.Module, proxy_buffers: bool) -> fx.GraphModule:
         tracer.proxy_buffer_attributes = proxy_buffers
         with torch.enable_grad(), _functions_as_calls(), _DrawsAsCalls(tracer):
             graph = tracer.trace(model)
-        return fx.GraphModule(tracer.root, graph, type(model).__name__)
+        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as error:  # fx raises TraceError, but also TypeError/AttributeError from user code
         raise TraceFailure(_why_untraceable(model, error)) from error
+    if autocast := next((node for node in graph.nodes if "autocast" in node.meta), None):
+        raise TraceFailure(
+            f"{type(model).__name__} runs {_describe(autocast, gm)} under torch.autocast({autocast.meta['autocast']}) "
+            "in its forward: the trace sizes every value on meta, where autocast casts nothing, so the plans and "
+            "the executor would run another program than the model's (NOTE [autocast in the forward]). Take the "
+            "autocast out of the forward; the harness trains in the parameters' dtype")
+    return gm
 
 
 # What fx's errors mean in the model's own terms.

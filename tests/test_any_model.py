@@ -431,6 +431,29 @@ def test_data_dependent_control_flow_names_the_module_and_the_construct():
         trace(model, torch.randn(2, 4))
 
 
+class AutocastInside(nn.Module):
+    """A forward that runs a block under ``torch.autocast`` itself, then goes back to float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(16, 64), nn.Linear(64, 4)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.tanh(self.a(x))
+        return self.head(h.float())
+
+
+def test_autocast_in_the_forward_is_refused_naming_the_call_and_its_module():
+    # NOTE [autocast in the forward]: traced, the block ran in float32 under every plan, vanilla included.
+    model = nn.Sequential(nn.Linear(16, 16), AutocastInside())
+    with pytest.raises(TraceFailure, match=r"Linear \(_1_a in module '1\.a'\) under torch\.autocast\(cpu, "
+                                           r"torch\.bfloat16\)"):
+        trace(model, torch.randn(8, 16))
+    with torch.autocast("cpu", enabled=False):  # a block that turns autocast off casts nothing: traced
+        trace(nn.Sequential(nn.Linear(16, 16)), torch.randn(8, 16))
+
+
 def test_unknown_names_list_the_near_matches():
     with pytest.raises(KeyError, match="near matches: convnext_tiny"):
         nets.spec("torchvision:convnext_tiyn")
