@@ -14,7 +14,8 @@ of inputs or parameters stay out of the IR: they cost nothing to keep.
 While the meta run goes, ``saved_tensors_hooks`` record what autograd saves for each layer: saved
 storages that belong to an IR node become ``backward_reads``; any other saved storage (max-pooling
 indices, batch-norm statistics, the input an in-place op saves before it writes) counts as
-``saved_extra_bytes``.
+``saved_extra_bytes``, once however many views of it are saved (an LSTM saves each step's gates as views
+of one storage).
 
 The probe also notes which fx nodes draw random numbers (``random_nodes``, from ATen's op tags): the
 executor may run the forward pass in another topological order than the program's, but never draws in
@@ -182,8 +183,9 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
             gm.recompile()
         loss_fn = loss_fn or sum_loss  # the executor's default
         shares, work, early = _gradients(probe, output, loss_fn)
-        peaks, frees = _backward_peaks(meta_module, probe.group_of, probe.view_names, example_input, loss_fn)
-        traced = probe.result(gm, shares, work, peaks, early, frees)
+        peaks, frees, transients = _backward_peaks(meta_module, probe.group_of, probe.view_names, example_input,
+                                                   loss_fn)
+        traced = probe.result(gm, shares, work, peaks, early, frees, transients)
 
         def node_of(t: torch.Tensor) -> int | None:
             g = probe._group(_storage(t))
@@ -269,24 +271,28 @@ def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict, dict]:
 
 
 def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set[str], example_input: torch.Tensor,
-                    loss_fn) -> tuple[dict[int, int], dict[int, tuple[set[int], int]]]:
+                    loss_fn) -> tuple[dict[int, int], dict[int, tuple[set[int], int]], dict[int, int]]:
     """The most each layer's backward holds above what was live as it began (``Graph.backward_peak_bytes``),
     seen in a plain training step on meta: the gradients it makes (working ones, its inputs', its
     parameters') less what it frees on the way (its saved extras as each of its autograd nodes finishes,
     the gradient it received). Forward values are held as if never freed: the replay decides when they go.
     Beside it, for each layer, the forward values its backward freed and the peak with them going as they
-    went (``Graph.backward_frees``)."""
+    went (``Graph.backward_frees``), and the most its forward call held above what it left
+    (``Graph.forward_transient_bytes``)."""
     from harness.measure import MemoryTracker
 
     layers: dict[object, int] = {}  # autograd node -> the probe group whose layer call made it
     values: dict[int, int] = {}  # storages of IR nodes' values -> their probe group
+    transients: dict[int, int] = {}  # probe group -> the most one of its calls held above what it left
 
     class Claiming(fx.Interpreter):
         def run_node(self, node: fx.Node):
+            tracker.call_peak = tracker.freeing
             with grad_mode(node):
                 result = super().run_node(node)
             g = group_of.get(node.name)
             if g is not None:
+                transients[g] = max(transients.get(g, 0), tracker.call_peak - tracker.freeing)
                 outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
                 values.update((id(_storage(t)), g) for t in outputs)
                 # A view's backward (U-Net's crop, padding the gradient to the whole storage) runs as
@@ -299,6 +305,7 @@ def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set
         def __init__(self, *args):
             self.level = 0  # live bytes, forward values counted as never freed
             self.freeing = 0  # live bytes
+            self.call_peak = 0  # the most live during the forward's current call
             self.layer, self.start, self.freeing_start = None, 0, 0
             self.peaks: dict[int, int] = {}
             self.frees: dict[int, tuple[set[int], int]] = {}  # layer -> (values it freed, peak as they went)
@@ -311,6 +318,7 @@ def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set
                 values.pop(id(storage), None)  # a new storage, wherever an old value's id is reused
                 self.level += storage.nbytes()
                 self.freeing += storage.nbytes()
+                self.call_peak = max(self.call_peak, self.freeing)
                 if self.layer is not None:
                     self.peaks[self.layer] = max(self.peaks.get(self.layer, 0), self.level - self.start)
                     freed, peak = self.frees.setdefault(self.layer, (set(), 0))
@@ -339,7 +347,7 @@ def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set
     with torch.enable_grad(), LayerPeaks(module, (x,)) as tracker:
         loss_fn(Claiming(module).run(x)).backward()
     module.zero_grad(set_to_none=True)
-    return tracker.peaks, tracker.frees
+    return tracker.peaks, tracker.frees, transients
 
 
 def _new_autograd_nodes(outputs, known: dict) -> list:
@@ -777,12 +785,14 @@ class _Probe(fx.Interpreter):
         group["params"] += _param_bytes(node, self.module)
         group["state"] += state  # each call's copy of the state it found, held to its recomputation
         self.group_of[node.name] = g
+        extras = {}  # a storage saved as several views (an LSTM's gates, step by step) is held once
         for t in saved:
             owner = self._group(_storage(t))
             if owner is not None:
                 group["reads"].add(owner)
             elif id(_storage(t)) not in self.static:
-                group["extra"] += _storage(t).nbytes()
+                extras[id(_storage(t))] = _storage(t).nbytes()
+        group["extra"] += sum(extras.values())
         self._keep_alive += saved
 
     def _claim(self, outputs, g: int, view: bool, in_place: bool):
@@ -797,7 +807,8 @@ class _Probe(fx.Interpreter):
                 self.in_place_nodes.add(fn)
 
     def result(self, gm: fx.GraphModule, shares: dict | None = None, work: dict | None = None,
-               peaks: dict | None = None, early: dict | None = None, frees: dict | None = None) -> Traced:
+               peaks: dict | None = None, early: dict | None = None, frees: dict | None = None,
+               transients: dict | None = None) -> Traced:
         # The probe may run a meta copy of gm: match nodes by name.
         position = {node.name: i for i, node in enumerate(gm.graph.nodes)}
         order = sorted(range(len(self.groups)), key=lambda g: position[self.groups[g]["final"].name])
@@ -830,6 +841,7 @@ class _Probe(fx.Interpreter):
             backward_frees=None if frees is None else [
                 (sorted(rank[h] for h in freed if h in rank), peak)
                 for freed, peak in (frees.get(g, (set(), peaks.get(g, 0))) for g in order)],
+            forward_transient_bytes=None if transients is None else [transients.get(g, 0) for g in order],
             early_grads=[sorted(rank[h] for h in (early or {}).get(g, ()) if (rank[h], rank[g]) in edges) for g in order],
         )
         members = tuple(tuple(node.name for node in g["members"]) for g in groups)

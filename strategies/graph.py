@@ -110,6 +110,9 @@ class Graph:
     as it ran, in that plain step (a parametrized layer's saved input goes when its convolution's backward
     is done, before the backward of the weight's normalisation), and the most it held above what was live
     as it began with them going as they went; None on hand-written graphs.
+    ``forward_transient_bytes[v]`` is the most a call of ``v``'s layer holds, while it runs, above what it
+    leaves (a ``Linear`` on a non-contiguous batch of sequences multiplies, then adds its bias into a new
+    buffer); measured in the forward of a plain step, None on hand-written graphs.
     ``early_grads[v]`` are the predecessors whose gradient ``v``'s in-place members make, before the rest
     of its layer's backward runs (torchvision's ``out += identity`` after a batch norm: the addition hands
     the identity its gradient, then the batch norm's backward runs); empty on hand-written graphs.
@@ -137,6 +140,7 @@ class Graph:
     loss_grad_bytes: tuple[int, ...] | None = None
     loss_reads: tuple[int, ...] = ()
     backward_frees: tuple[tuple[tuple[int, ...], int], ...] | None = None
+    forward_transient_bytes: tuple[int, ...] | None = None
     preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     pred_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -149,7 +153,7 @@ class Graph:
                  saved_extra_bytes=None, param_bytes=None, scopes=None, flops=None, loss_bytes=0, grad_shares=None,
                  backward_work_bytes=None, loss_held_bytes=0, recompute_state_bytes=None, backward_peak_bytes=None,
                  early_grads=None, loss_forward_bytes=0, outputs=None, loss_grad_bytes=None, loss_reads=(),
-                 backward_frees=None):
+                 backward_frees=None, forward_transient_bytes=None):
         n = len(mem_bytes)
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
         put("mem_bytes", tuple(int(m) for m in mem_bytes))
@@ -205,6 +209,8 @@ class Graph:
         put("loss_reads", tuple(sorted({int(v) for v in loss_reads})))
         put("backward_frees", None if backward_frees is None else
             tuple((tuple(sorted(int(u) for u in freed)), int(peak)) for freed, peak in backward_frees))
+        put("forward_transient_bytes", None if forward_transient_bytes is None else
+            tuple(int(b) for b in forward_transient_bytes))
         _validate_backward(self)
         if min(self.loss_bytes, self.loss_held_bytes, self.loss_forward_bytes) < 0:
             raise ValueError(f"Graph: loss_bytes, loss_held_bytes and loss_forward_bytes must not be negative, got "
@@ -253,7 +259,8 @@ class Graph:
         names = ("mem_bytes", "cost", "edges", "names", "kinds", "backward_reads", "saved_extra_bytes",
                  "param_bytes", "scopes", "flops", "loss_bytes", "grad_shares",
                  "backward_work_bytes", "loss_held_bytes", "recompute_state_bytes", "backward_peak_bytes",
-                 "early_grads", "loss_forward_bytes", "outputs", "loss_grad_bytes", "loss_reads", "backward_frees")
+                 "early_grads", "loss_forward_bytes", "outputs", "loss_grad_bytes", "loss_reads", "backward_frees",
+                 "forward_transient_bytes")
         return Graph(**{name: fields.get(name, getattr(self, name)) for name in names})
 
     def mem(self, nodes: int) -> int:
@@ -299,6 +306,8 @@ def _validate_backward(graph: Graph) -> None:
         raise ValueError("Graph: backward_peak_bytes needs one entry per node (or None: not measured)")
     if graph.backward_frees is not None and len(graph.backward_frees) != n:
         raise ValueError("Graph: backward_frees needs one entry per node (or None: not measured)")
+    if graph.forward_transient_bytes is not None and len(graph.forward_transient_bytes) != n:
+        raise ValueError("Graph: forward_transient_bytes needs one entry per node (or None: not measured)")
     for v, shares in enumerate(graph.grad_shares):
         shared = [u for preds, _ in shares for u in preds]
         if len(set(shared)) != len(shared) or not set(shared) <= set(graph.preds[v]):

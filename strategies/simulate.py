@@ -30,7 +30,10 @@ PyTorch's reference-counted autograd does):
   pass only if it is kept and something needs it there (a backward that saved it, the loss's backward,
   or the recomputation of a discarded successor);
 - what a layer's backward saves besides node values (``saved_extra_bytes``: pooling indices) lives from
-  the layer's forward to its backward, or, for a recomputed layer, from its recomputation;
+  the layer's forward to its backward, or, for a recomputed layer, from its recomputation; what a layer's
+  call holds only while it runs (``forward_transient_bytes``: a ``Linear`` on a non-contiguous batch of
+  sequences makes its product, then a new buffer for the bias's sum) comes and goes with the call, in the
+  forward and in a recomputation alike;
 - the loss (NOTE [the loss] in ``harness/trace.py``): its forward holds ``loss_forward_bytes`` beside
   the outputs, which then go unless a backward reads them; at the turn from forward to backward its
   backward makes the outputs' gradients (``loss_grad_bytes`` each: none for a sum's) while it holds
@@ -338,6 +341,7 @@ def _forward(graph, order, kept, saves, swapped, readers, recompute_stages, foun
             allocs.append((("extra", v), graph.saved_extra_bytes[v]))
             if not saves >> v & 1:  # a recomputed layer's extras go now and come back with it
                 frees.append(("extra", v))
+        _transient(graph, v, allocs, frees)
         for u in graph.preds[v]:
             uses_left[u] -= 1
             if uses_left[u] == 0 and not held(u) and u not in outputs:
@@ -625,6 +629,7 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
                     frees.append(("state_after", k))
                 elif t != k:
                     frees.append(("state", k))
+            _transient(graph, k, allocs, frees)
             present |= 1 << k
             # nothing reads it before its next computation (an output: the loss, at the turn)
             if not held_next >> k & 1 and not read_later(row, k, k) and not (t < n and outputs >> k & 1):
@@ -681,6 +686,14 @@ def _to_measured_peak(graph: Graph, v: int, held: int, frees: list, released: se
     return [(("measured", v), peak - held)]
 
 
+def _transient(graph: Graph, v: int, allocs: list, frees: list):
+    """What a call of ``v``'s layer holds while it runs above what it leaves (``Graph.forward_transient_bytes``):
+    gone by the step's end."""
+    if graph.forward_transient_bytes is not None and graph.forward_transient_bytes[v]:
+        allocs.append((("transient", v), graph.forward_transient_bytes[v]))
+        frees.append(("transient", v))
+
+
 def _turn(graph: Graph, gradients: "_Gradients", fetched=()) -> Step:
     """From forward to backward: the swapped values fetched at once, the loss's buffers and the loss's
     gradients with respect to the outputs come; the loss's working buffers go, its value stays."""
@@ -728,6 +741,7 @@ def _recompute_stage(graph, nodes, copy, s, present, readers_left, stages_left, 
             if checkpointed:  # ``batchnorm_once``'s copies, made now
                 allocs.append((("state", o), graph.recompute_state_bytes[o]))
             frees.append(("state", o))
+        _transient(graph, o, allocs, frees)
         steps.append(Step(o, "recompute", tuple(allocs), tuple(frees)))
     for u in range(n):
         if s in stages_left[u]:  # this stage's recomputation was the last reader of a kept value
