@@ -5,7 +5,9 @@ same state and the same seed. The tests, the coverage benchmark and anyone bring
 difference, the worst gradient difference relative to that gradient's scale (``max|g - g_ref| /
 max|g_ref|`` per parameter, worst over parameters; a gradient present on one side only counts as inf),
 and the buffers that differ (BatchNorm statistics must be updated exactly once). The model is left as it
-was. A gradient that is zero in exact arithmetic (a BatchNorm bias feeding another normalisation) is
+was; plain PyTorch's step runs on a deep copy, which takes the tensors autograd made that a module keeps
+as attributes detached (``non_leaf_attributes``: the pre-hook ``spectral_norm``'s weight after a step,
+which ``copy.deepcopy`` refuses). A gradient that is zero in exact arithmetic (a BatchNorm bias feeding another normalisation) is
 float32 rounding, ~1e-9, that a stage order reshuffles: scales are floored at ``SCALE_FLOOR`` of the
 model's largest gradient, so such noise does not read as a wrong gradient while any error at the scale
 of a real gradient still does.
@@ -20,6 +22,8 @@ from typing import Callable
 
 import torch
 from torch import nn
+
+from harness.trace import non_leaf_attributes
 
 # Above this, a gradient is wrong, not rounded: a stage order changes only the order in which autograd
 # sums a value's gradient contributions (float32 rounding, ~1e-6 at the gradient's scale).
@@ -44,7 +48,7 @@ def compare(model: nn.Module, example_input: torch.Tensor, loss_fn, run_plan: Ca
     """Plain PyTorch's step on a copy of ``model``, then ``run_plan()`` (one step of ``model`` under a plan,
     returning the loss) from the same state and seed; ``model`` is put back as it was."""
     state = copy.deepcopy(model.state_dict())
-    reference = copy.deepcopy(model)
+    reference = copy.deepcopy(model, {id(t): t.detach().clone() for t in non_leaf_attributes(model)})
     for p in [*model.parameters(), *reference.parameters()]:
         p.grad = None
     torch.manual_seed(seed)

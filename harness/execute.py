@@ -155,6 +155,8 @@ class _Step:
         self.discarded = set(members(self.plan.recomputed))
         self.recomputable = {name for g in self.discarded for name in self.traced.members[g]}
         self.buffer_ids = {id(b) for b in self.traced.module.buffers()}
+        self.written = {id(b.untyped_storage()): b for name, b in self.traced.module.named_buffers()
+                        if name in self.traced.written_buffers}
         self.stage_of = self.plan.stage_of(len(graph))
         self.nodes = {n.name: n for n in self.traced.module.graph.nodes}
         self.modules = dict(self.traced.module.named_modules())
@@ -204,6 +206,10 @@ class _Step:
         (``_delayed``), so that an IR node's autograd nodes are made together, as the replay runs them."""
         nodes = list(self.traced.module.graph.nodes)
         delayed = _delayed(nodes, self.traced)
+        read_before: dict[str, list[str]] = {}  # a write to a buffer -> the nodes that read it before
+        for reader, writer in self.traced.state_order:
+            read_before.setdefault(writer, []).append(reader)
+        by_name = {node.name: node for node in nodes}
         key, position = {}, {}
         last_draw = (-1, -1)
         for index, node in enumerate(nodes):
@@ -216,8 +222,9 @@ class _Step:
                 own = (self.stage_of[g], delayed.get(node.name, index))
             else:
                 own = (max((stage for stage, _ in inputs), default=-1), index)
-            # A view can read a shape computed in a later stage (U-Net's crops): then it waits for it.
-            key[node] = max([own] + inputs)
+            # A view can read a shape computed in a later stage (U-Net's crops): then it waits for it; a
+            # write to a buffer waits for the nodes that read it before (NOTE [state the forward writes]).
+            key[node] = max([own] + inputs + [key[by_name[r]] for r in read_before.get(node.name, ())])
             if node.name in self.traced.random_nodes:  # draws stay in program order: the same numbers
                 key[node] = last_draw = max(key[node], last_draw)
         return sorted(nodes, key=lambda node: (key[node], position[node]))
@@ -443,7 +450,7 @@ class _Step:
         [replaying side effects])."""
         if not recompute and node.name in self.recomputable:
             before = rng_state(self.rng)
-            written = written_state(self.traced.module, node, args, kwargs, self.buffer_ids)
+            written = written_state(self.traced.module, node, args, kwargs, self.buffer_ids, self.written)
             if written:  # the state as this call finds it, for the recomputation to start from
                 self.state_before[node.name] = [t.detach().clone() for t in written]
             value = self._call(node, args, kwargs)
@@ -454,7 +461,7 @@ class _Step:
             return self._call(node, args, kwargs)
         if node.name in self.rng_states:
             set_rng_state(self.rng_states[node.name])
-        written = written_state(self.traced.module, node, args, kwargs, self.buffer_ids)
+        written = written_state(self.traced.module, node, args, kwargs, self.buffer_ids, self.written)
         found = self.state_before.pop(node.name, [])
         after = []
         with torch.no_grad():

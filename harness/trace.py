@@ -89,12 +89,16 @@ fx proxies parameters but not buffers: ``self.steps.add_(1)`` runs on the real b
 leaves no node, so the program would never write it (and the trace would have written the model's
 buffer). Where a trace wrote a buffer, the buffer is put back and the model traced again with buffers as
 proxies (only then: a buffer used in Python control flow traces as before). The write is then a node
-outside the IR, which the executor runs with its latest input. Two orders matter:
+outside the IR, which the executor runs with its latest input. Three orders matter:
 - a node that reads an input, parameter or buffer after a write reads the written value, in the forward
-  and in a recomputation alike (no later write is allowed, below); its IR node gets edges from the IR
-  nodes the write read, so that no stage plan runs it before the write;
-- a write after another IR node has read the state is refused, naming both: a recomputation of that
-  reader would see the new value.
+  and in a recomputation alike; its IR node gets edges from the IR nodes the write read and from those
+  that read the state before it, so that no stage plan runs it before the write;
+- a write to a buffer that IR nodes read before it (MoCo's queue: the logits read a copy of it, then the
+  batch's keys are written in) runs after them in every stage order (``Traced.state_order``), and their
+  recomputations start from the buffer as their forward calls found it, through a view too
+  (``Traced.written_buffers``; NOTE [replaying side effects] in ``harness/execute.py``);
+- a write to an input or a parameter after another IR node has read it is refused, naming both: the
+  copies a recomputation starts from are the buffers'.
 A layer that reads and writes its own state in one call (BatchNorm's running statistics) is replayed as
 NOTE [replaying side effects] in ``harness/execute.py`` says.
 
@@ -157,6 +161,8 @@ class Traced:
     random_nodes: frozenset[str] = frozenset()  # fx nodes that draw random numbers (the executor keeps their order)
     written_in_place: frozenset[str] = frozenset()  # fx nodes that write their IR node's storage in place
     writes_state: frozenset[str] = frozenset()  # fx nodes that write an input, parameter or buffer in place
+    state_order: frozenset[tuple[str, str]] = frozenset()  # (reader, writer): a buffer read before a write
+    written_buffers: frozenset[str] = frozenset()  # buffers such a write writes
 
 
 class TraceFailure(RuntimeError):
@@ -426,11 +432,19 @@ def _to_parameters(fn, group_of: dict, depth: int = 4) -> bool:
 
 def _meta_copy(module: fx.GraphModule) -> fx.GraphModule:
     """A copy on the meta device, made without copying any weight."""
-    memo = {}
+    memo = {id(t): t.detach().to("meta") for t in non_leaf_attributes(module)}
     for t in list(module.parameters()) + list(module.buffers()):
         meta = t.detach().to("meta")
         memo[id(t)] = torch.nn.Parameter(meta, t.requires_grad) if isinstance(t, torch.nn.Parameter) else meta
     return copy.deepcopy(module, memo)
+
+
+def non_leaf_attributes(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors autograd made that a module keeps as plain attributes (the pre-hook forms of
+    ``spectral_norm`` and ``weight_norm`` keep the weight of their last forward): ``copy.deepcopy`` refuses
+    them, so a copy takes them detached (the next forward makes them again)."""
+    return [value for m in module.modules() for value in vars(m).values()
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None]
 
 
 def _on_meta(module: torch.nn.Module) -> bool:
@@ -620,13 +634,17 @@ def _why_untraceable(model: torch.nn.Module, error: Exception) -> str:
             "traceable one that leaves that call out")
 
 
-def written_state(module: torch.nn.Module, node: fx.Node, args, kwargs, buffer_ids: set[int]) -> list[torch.Tensor]:
-    """The state a call of ``node`` may write, which a recomputation copies first and puts back after
-    (NOTE [replaying side effects] in ``harness/execute.py``): its module's buffers, for a module call; the
-    buffers among its inputs (ids in ``buffer_ids``), for a function or method."""
-    if node.op == "call_module":
-        return list(module.get_submodule(node.target).buffers())
-    return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and id(t) in buffer_ids]
+def written_state(module: torch.nn.Module, node: fx.Node, args, kwargs, buffer_ids: set[int],
+                  written: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The state a call of ``node`` may write, or read before a later node writes it, which a recomputation
+    starts from as the forward call found it (NOTE [replaying side effects] in ``harness/execute.py``): its
+    module's buffers, for a module call; the buffers among its inputs (ids in ``buffer_ids``); and the
+    buffers a node of their own writes (``written``: storage id -> buffer) that it reads, through a view too."""
+    found = list(module.get_submodule(node.target).buffers()) if node.op == "call_module" else []
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    found += [t for t in tensors if id(t) in buffer_ids]
+    found += [written[id(_storage(t))] for t in tensors if written and id(_storage(t)) in written]
+    return list({id(t): t for t in found}.values())
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
@@ -652,6 +670,7 @@ class _Probe(fx.Interpreter):
         self.cost_model = cost_model
         self.static = {id(_storage(t)) for t in list(gm.parameters()) + list(gm.buffers())}
         self.buffer_ids = {id(b) for b in gm.buffers()}
+        self.buffer_of_storage = {id(_storage(b)): (name, b) for name, b in gm.named_buffers()}
         self.static_names = {id(_storage(t)): f"{kind} {name!r}" for kind, named in
                              (("parameter", gm.named_parameters()), ("buffer", gm.named_buffers())) for name, t in named}
         self.group_of_storage: dict[int, tuple[weakref.ref, int]] = {}
@@ -667,9 +686,12 @@ class _Probe(fx.Interpreter):
         self.in_place_nodes: set[object] = set()  # autograd nodes of in-place writes (a ReLU's, ``+=``'s)
         self.in_place_names: set[str] = set()  # the fx nodes that make those writes
         self.out_of_place: set[str] = set()  # augmented assignments that cannot write in place
-        self.state_readers: dict[int, fx.Node] = {}  # static storage -> the first IR node member that read it
-        self.state_after: dict[int, set[int]] = {}  # static storage -> the IR nodes its last write read
+        self.state_readers: dict[int, list[fx.Node]] = {}  # static storage -> the IR node members that read it
+        self.state_after: dict[int, set[int]] = {}  # static storage -> the IR nodes its last write follows
         self.state_writers: set[str] = set()
+        self.state_order: set[tuple[str, str]] = set()  # (reader, writer) of a buffer
+        self.written_buffers: dict[int, str] = {}  # storage -> name of a buffer a node of its own writes
+        self.node_state: dict[str, tuple[list[torch.Tensor], set[int]]] = {}  # fx node -> (its state, buffers read)
 
     def _group(self, storage) -> int | None:
         entry = self.group_of_storage.get(id(storage))
@@ -695,37 +717,47 @@ class _Probe(fx.Interpreter):
         inputs = [t for t in tree_leaves(self._inputs(node)) if isinstance(t, torch.Tensor)]
         versions = [t._version for t in inputs]
         draws = _Draws()
-        state = sum(t.numel() * t.element_size()  # the buffers among the inputs are those among the arguments
-                    for t in written_state(self.module, node, inputs, {}, self.buffer_ids))
+        # The buffers among the inputs are those among the arguments; which buffers a later node writes is known
+        # at the end (``result``).
+        self.node_state[node.name] = (written_state(self.module, node, inputs, {}, self.buffer_ids),
+                                      {id(_storage(t)) for t in inputs if id(_storage(t)) in self.buffer_of_storage})
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, draws, grad_mode(node):
             result = super().run_node(node)
         if draws.seen:
             self.random_nodes.add(node.name)
         wrote = any(t._version != v for t, v in zip(inputs, versions) if id(_storage(t)) not in self.static)
-        self._record(node, result, saved, flops.get_total_flops(), wrote, state)
+        self._record(node, result, saved, flops.get_total_flops(), wrote)
         self._note_state(node, inputs, versions)
         return result
 
     def _note_state(self, node: fx.Node, inputs: list[torch.Tensor], versions: list[int]):
-        """Note which IR nodes read an input, parameter or buffer, and refuse a write to one after another
-        IR node read it; the IR nodes that read it after a write follow the write's inputs (NOTE [state
-        the forward writes])."""
+        """Note which IR nodes read an input, parameter or buffer, and refuse a write to an input or a
+        parameter after another IR node read it; a write to a buffer follows the IR nodes that read it
+        before, and those that read it after a write follow the write's inputs and those readers (NOTE
+        [state the forward writes])."""
         g = self.group_of.get(node.name)
         for t, version in zip(inputs, versions):
             key = id(_storage(t))
             if key not in self.static:
                 continue
             if t._version != version:
-                reader = self.state_readers.get(key)
-                if reader is not None and reader is not node:
+                readers = [r for r in self.state_readers.get(key, []) if r is not node]
+                if readers and key not in self.buffer_of_storage:
                     raise TraceFailure(
                         f"in-place write {_describe(node, self.module)} changes {self.static_names.get(key, 'an input')} "
-                        f"after {_describe(reader, self.module)} read it; a recomputation of that reader would see "
+                        f"after {_describe(readers[0], self.module)} read it; a recomputation of that reader would see "
                         "the new value. Write out of place, or before any layer reads it")
-                self.state_after[key] = {h for n in node.all_input_nodes if (h := self.group_of.get(n.name)) is not None}
+                before = {self.group_of[r.name] for r in readers}
+                self.state_order.update((r.name, node.name) for r in readers)
+                if g is not None:
+                    self.groups[g]["after"] |= before - {g}
+                inputs_of_write = {h for n in node.all_input_nodes if (h := self.group_of.get(n.name)) is not None}
+                self.state_after[key] = inputs_of_write | before
                 self.state_writers.add(node.name)
+                if key in self.buffer_of_storage:
+                    self.written_buffers[key] = self.buffer_of_storage[key][0]
             elif g is not None:
-                self.state_readers.setdefault(key, node)
+                self.state_readers.setdefault(key, []).append(node)
                 self.groups[g]["after"] |= self.state_after.get(key, set())
 
     def _may_write(self, target) -> bool:
@@ -740,7 +772,7 @@ class _Probe(fx.Interpreter):
     def _inputs(self, node: fx.Node):
         return [self.env[n] for n in node.all_input_nodes if n in self.env]
 
-    def _record(self, node: fx.Node, result, saved, flop_count, wrote_in_place: bool, state: int):
+    def _record(self, node: fx.Node, result, saved, flop_count, wrote_in_place: bool):
         outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
         self._keep_alive += outputs
         new = {}
@@ -752,7 +784,7 @@ class _Probe(fx.Interpreter):
         if new:
             g = len(self.groups)
             self.groups.append(dict(members=[], final=node, bytes=sum(s.nbytes() for s in new.values()), cost=0.0, flops=0,
-                                    reads=set(), extra=0, params=0, state=0, after=set(),
+                                    reads=set(), extra=0, params=0, after=set(),
                                     kind=_kind(node, self.module)))
             for s in new.values():
                 self.group_of_storage[id(s)] = (weakref.ref(s), g)
@@ -783,7 +815,6 @@ class _Probe(fx.Interpreter):
         group["cost"] += _cost(node, self.module, self.cost_model, flop_count)
         group["flops"] += flop_count
         group["params"] += _param_bytes(node, self.module)
-        group["state"] += state  # each call's copy of the state it found, held to its recomputation
         self.group_of[node.name] = g
         extras = {}  # a storage saved as several views (an LSTM's gates, step by step) is held once
         for t in saved:
@@ -836,7 +867,7 @@ class _Probe(fx.Interpreter):
             grad_shares=[[(kept, size) for preds, size in (shares or {}).get(g, [])
                           if (kept := sorted(rank[h] for h in preds if (rank[h], rank[g]) in edges))] for g in order],
             backward_work_bytes=[(work or {}).get(g, 0) for g in order],
-            recompute_state_bytes=[g["state"] for g in groups],
+            recompute_state_bytes=[self._state_bytes(g) for g in groups],
             backward_peak_bytes=None if peaks is None else [peaks.get(g, 0) for g in order],
             backward_frees=None if frees is None else [
                 (sorted(rank[h] for h in freed if h in rank), peak)
@@ -848,7 +879,20 @@ class _Probe(fx.Interpreter):
         group_of = {name: i for i, names in enumerate(members) for name in names}
         return Traced(module=gm, graph=graph, members=members, group_of=group_of, fx_node_count=self.fx_count,
                       random_nodes=frozenset(self.random_nodes), written_in_place=frozenset(self.in_place_names),
-                      writes_state=frozenset(self.state_writers))
+                      writes_state=frozenset(self.state_writers), state_order=frozenset(self.state_order),
+                      written_buffers=frozenset(self.written_buffers.values()))
+
+    def _state_bytes(self, group: dict) -> int:
+        """The copies of the state a recomputation of ``group`` starts from, one per call, held from the
+        forward call to the recomputation (``Graph.recompute_state_bytes``)."""
+        total = 0
+        for node in group["members"]:
+            own, read = self.node_state.get(node.name, ([], set()))
+            copied = {id(t): t for t in own}
+            copied.update((id(b), b) for key in read & self.written_buffers.keys()
+                          for b in [self.buffer_of_storage[key][1]])
+            total += sum(t.numel() * t.element_size() for t in copied.values())
+        return total
 
 
 def _describe(node: fx.Node, module: torch.nn.Module) -> str:
