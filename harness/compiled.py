@@ -323,8 +323,9 @@ def _replayed_step(forward, model, example_input, loss_fn, patches, partition, c
             return call
         return compiler
 
-    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"), decompositions=select_decomp_table,
-                           partition_fn=partition, keep_inference_input_mutations=True)
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                           decompositions=select_decomp_table, partition_fn=partition,
+                           keep_inference_input_mutations=True)
     start = time.perf_counter()
     # On meta a tensor the program makes without naming a device is made on meta (NOTE [random draws on
     # constants] in trace.py); fullgraph: the replay runs one forward and one backward graph.

@@ -7,10 +7,10 @@ max|g_ref|`` per parameter, worst over parameters; a gradient present on one sid
 and the buffers that differ (BatchNorm statistics must be updated exactly once). The model is left as it
 was; plain PyTorch's step runs on a deep copy, which takes the tensors autograd made that a module keeps
 as attributes detached (``non_leaf_attributes``: the pre-hook ``spectral_norm``'s weight after a step,
-which ``copy.deepcopy`` refuses). A gradient that is zero in exact arithmetic (a BatchNorm bias feeding another normalisation) is
-float32 rounding, ~1e-9, that a stage order reshuffles: scales are floored at ``SCALE_FLOOR`` of the
-model's largest gradient, so such noise does not read as a wrong gradient while any error at the scale
-of a real gradient still does.
+which ``copy.deepcopy`` refuses). A gradient that is zero in exact arithmetic (a BatchNorm bias feeding
+another normalisation) is float32 rounding, ~1e-9, that a stage order reshuffles: scales are floored at
+``SCALE_FLOOR`` of the model's largest gradient, so such noise does not read as a wrong gradient while
+any error at the scale of a real gradient still does.
 """
 
 from __future__ import annotations

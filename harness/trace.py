@@ -691,7 +691,7 @@ class _Probe(fx.Interpreter):
         self.state_writers: set[str] = set()
         self.state_order: set[tuple[str, str]] = set()  # (reader, writer) of a buffer
         self.written_buffers: dict[int, str] = {}  # storage -> name of a buffer a node of its own writes
-        self.node_state: dict[str, tuple[list[torch.Tensor], set[int]]] = {}  # fx node -> (its state, buffers read)
+        self.node_inputs: dict[str, list[torch.Tensor]] = {}  # fx node -> its input tensors, for ``_state_bytes``
 
     def _group(self, storage) -> int | None:
         entry = self.group_of_storage.get(id(storage))
@@ -717,10 +717,7 @@ class _Probe(fx.Interpreter):
         inputs = [t for t in tree_leaves(self._inputs(node)) if isinstance(t, torch.Tensor)]
         versions = [t._version for t in inputs]
         draws = _Draws()
-        # The buffers among the inputs are those among the arguments; which buffers a later node writes is known
-        # at the end (``result``).
-        self.node_state[node.name] = (written_state(self.module, node, inputs, {}, self.buffer_ids),
-                                      {id(_storage(t)) for t in inputs if id(_storage(t)) in self.buffer_of_storage})
+        self.node_inputs[node.name] = inputs  # which buffers a later node writes is known at the end
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, draws, grad_mode(node):
             result = super().run_node(node)
         if draws.seen:
@@ -853,6 +850,7 @@ class _Probe(fx.Interpreter):
                         edges.add((rank[h], rank[g]))
             edges.update((rank[h], rank[g]) for h in group["after"] if h != g)  # NOTE [state the forward writes]
         groups = [self.groups[g] for g in order]
+        written = {key: self.buffer_of_storage[key][1] for key in self.written_buffers}
         graph = Graph(
             mem_bytes=[g["bytes"] for g in groups],
             cost=[g["cost"] for g in groups],
@@ -867,7 +865,7 @@ class _Probe(fx.Interpreter):
             grad_shares=[[(kept, size) for preds, size in (shares or {}).get(g, [])
                           if (kept := sorted(rank[h] for h in preds if (rank[h], rank[g]) in edges))] for g in order],
             backward_work_bytes=[(work or {}).get(g, 0) for g in order],
-            recompute_state_bytes=[self._state_bytes(g) for g in groups],
+            recompute_state_bytes=[self._state_bytes(g, written) for g in groups],
             backward_peak_bytes=None if peaks is None else [peaks.get(g, 0) for g in order],
             backward_frees=None if frees is None else [
                 (sorted(rank[h] for h in freed if h in rank), peak)
@@ -882,17 +880,12 @@ class _Probe(fx.Interpreter):
                       writes_state=frozenset(self.state_writers), state_order=frozenset(self.state_order),
                       written_buffers=frozenset(self.written_buffers.values()))
 
-    def _state_bytes(self, group: dict) -> int:
+    def _state_bytes(self, group: dict, written: dict[int, torch.Tensor]) -> int:
         """The copies of the state a recomputation of ``group`` starts from, one per call, held from the
-        forward call to the recomputation (``Graph.recompute_state_bytes``)."""
-        total = 0
-        for node in group["members"]:
-            own, read = self.node_state.get(node.name, ([], set()))
-            copied = {id(t): t for t in own}
-            copied.update((id(b), b) for key in read & self.written_buffers.keys()
-                          for b in [self.buffer_of_storage[key][1]])
-            total += sum(t.numel() * t.element_size() for t in copied.values())
-        return total
+        forward call to the recomputation (``Graph.recompute_state_bytes``); the buffers among a call's inputs
+        are those among its arguments."""
+        return sum(t.numel() * t.element_size() for node in group["members"]
+                   for t in written_state(self.module, node, self.node_inputs[node.name], {}, self.buffer_ids, written))
 
 
 def _describe(node: fx.Node, module: torch.nn.Module) -> str:

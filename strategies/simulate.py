@@ -548,6 +548,7 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
     size = 2 * n
     # The computation of each value whose autograd record its backward uses: the last one before it.
     recorded = [max(t for t in range(schedule.backward_node(n, v) + 1) if computed[t] >> v & 1) for v in range(n)]
+    last = [max(t for t in range(size) if computed[t] >> v & 1) for v in range(n)]  # its last computation
     gradients = _Gradients(graph)
     present = 0  # the forward values on the device
     steps = []
@@ -621,10 +622,9 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
             if recorded[k] == t and graph.saved_extra_bytes[k]:
                 allocs.append((("extra", k), graph.saved_extra_bytes[k]))
             if graph.recompute_state_bytes[k]:  # the state as the first call found it, to the last one
-                last = max(c for c in range(size) if computed[c] >> k & 1)
-                if t == k and last != k:
+                if t == k and last[k] != k:
                     allocs.append((("state", k), graph.recompute_state_bytes[k]))
-                elif t != k and t != last:  # the state this call leaves, put back after it
+                elif t != k and t != last[k]:  # the state this call leaves, put back after it
                     allocs.append((("state_after", k), graph.recompute_state_bytes[k]))
                     frees.append(("state_after", k))
                 elif t != k:

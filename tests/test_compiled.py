@@ -2,6 +2,7 @@
 holding what the plan keeps."""
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from harness import nets, peers
 from harness.compiled import MARK, compiled_step, marked_module, plan_step, tag_plan
 from harness.run import run_cell
 from harness.trace import trace
+from test_any_model import GradModeAndState, KeyQueue, StateReadAndWritten
 from test_executor import SMALL, SkipToOutput, quarter_plan
 from test_peers import assert_same_step_in_float64
 
@@ -200,18 +202,19 @@ def test_a_compiled_plan_keeps_the_models_grad_mode():
     assert_same_step_in_float64(model, reference, plan_step(traced, plan, x, loss_fn)(), reference_loss)
 
 
-@pytest.mark.parametrize("make", ["GradModeAndState", "StateReadAndWritten", "KeyQueue"])
-def test_state_the_step_writes_under_compile(make):
+@pytest.mark.parametrize("make, shape", [(GradModeAndState, (8, 8)),
+                                         (partial(StateReadAndWritten, False), (4, 3, 8, 8)),
+                                         (KeyQueue, (8, 8))],
+                         ids=["GradModeAndState", "StateReadAndWritten", "KeyQueue"])
+def test_state_the_step_writes_under_compile(make, shape):
     """NOTE [written inputs under compile]: a model that writes its buffers (a counter and an EMA written
     outside a layer; spectral normalisation's power iteration and a running statistic read by the call that
-    writes them; a queue read, then written) computes plain PyTorch's step under a recomputing plan. The partitioner had recomputed a
-    read of a written buffer in the backward, after the write: AOTAutograd refused it (a saved input
-    modified in place), and ``run_cell`` refused every such model under ``compile=true``."""
-    import test_any_model
-
+    writes them; a queue read, then written) computes plain PyTorch's step under a recomputing plan. The
+    partitioner had recomputed a read of a written buffer in the backward, after the write: AOTAutograd
+    refused it (a saved input modified in place), and ``run_cell`` refused every such model under
+    ``compile=true``."""
     torch.manual_seed(0)
-    model = getattr(test_any_model, make)(*([False] if make == "StateReadAndWritten" else [])).double()
-    x = torch.randn(*{"StateReadAndWritten": (4, 3, 8, 8)}.get(make, (8, 8)), dtype=torch.double)
+    model, x = make().double(), torch.randn(*shape, dtype=torch.double)
     loss_fn = lambda out: out.square().sum()  # noqa: E731
     reference = copy.deepcopy(model)
     reference_loss = loss_fn(reference(x))
