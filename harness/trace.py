@@ -113,13 +113,27 @@ model. So the trace runs the loss (and its backward) on meta, on the model's out
   if a plan discards it, the executor's token makes that backward recompute the output's stage;
 - what each output's gradient adds (``loss_grad_bytes``): a sum hands the output an expanded view of
   the backward's seed, which adds nothing, where seed 004 counts a gradient the output's size; a view
-  of another output's gradient adds nothing either;
+  of another output's gradient adds nothing either; an output that is part of a value (a class token's
+  row, ``x[:, 0]``) hands the value a new gradient of its whole, which the view's backward makes (left
+  out, a class-token model's step was predicted 5% low);
 - what the backward holds at its peak besides those gradients (``loss_bytes``: a cross entropy's
   log-softmax and its gradient), and what stays to the step's end (``loss_held_bytes``: the loss's value
   and the seed, which ``loss.backward()`` holds until it returns).
 Seed 004's model, every sink an output handed a gradient its own size and nothing read, missed a small
 head's vanilla step by +14% under a sum and by -19% and -31% under squared errors
 (``tests/test_accounting.py``).
+
+NOTE [parameter gradients]
+A parameter's gradient is made once, by the first backward in the step that reaches it, and stays to the
+step's end; the autograd engine sums what later readers' backwards hand it into that buffer. So the probe
+notes, by storage, which IR nodes read each parameter that takes a gradient: through its module's call,
+or as an input, directly or through a view (a bare ``nn.Parameter`` such as a class token, a layer
+scale, a LoRA factor; a tied embedding's ``weight.t()``). Its bytes count once (``Graph.param_bytes``),
+at its last reader in the forward order, and its other readers are that node's ``param_sharers``: the
+replay makes the gradient at whichever of them its backward reaches first. Counted per module call, a
+block applied four times had its gradients counted four times (+48% on its step's peak, a Siamese
+encoder's twice, +21%); counted for modules only, a bare parameter's gradient was left out (-1% on a
+LoRA model under ``chen_sqrt``, whose low-rank factors are bare parameters).
 """
 
 from __future__ import annotations
@@ -375,11 +389,12 @@ def _loss_fields(output, loss_fn, node_of, n: int) -> dict:
     replay holds them as the IR nodes' values."""
     from harness.measure import DEVICE_PARTS, MemoryTracker
 
-    leaves = []
+    leaves, bases = [], []  # bases: what a view's backward pads its gradient to (None: not part of a value)
 
     def leaf(t):
         if isinstance(t, torch.Tensor) and t.is_floating_point():
             leaves.append(t.detach().requires_grad_())
+            bases.append(t._base if t._base is not None and t.numel() < t._base.numel() else None)
             return leaves[-1]
         return t
 
@@ -401,16 +416,21 @@ def _loss_fields(output, loss_fn, node_of, n: int) -> dict:
         grads = torch.autograd.grad(loss, leaves, seed, allow_unused=True)
         ends = sum(tracker.current[part] for part in DEVICE_PARTS)
     grad_bytes, reads, counted = [0] * n, set(), {id(_storage(seed))}
-    for t, grad in zip(leaves, grads):
+    made = 0  # of those gradients, what the loss's backward made (the tracker counted it)
+    for t, base, grad in zip(leaves, bases, grads):
         v = node_of(t)
         if v is None or grad is None:
             continue
         if id(_storage(grad)) not in counted:  # a view of the seed, or of another output's gradient, is free
             counted.add(id(_storage(grad)))
-            grad_bytes[v] += grad.untyped_storage().nbytes()
+            made += grad.untyped_storage().nbytes()
+            grad_bytes[v] += 0 if base is not None else grad.untyped_storage().nbytes()
+        if base is not None and ("whole", v) not in counted:
+            # Part of a value (``x[:, 0]``): its view's backward hands the node a new gradient of the whole.
+            counted.add(("whole", v))
+            grad_bytes[v] += base.numel() * base.element_size()
         if id(_storage(t)) in saved:
             reads.add(v)
-    made = sum(grad_bytes)
     held = max(0, ends - output_bytes - made)  # the loss's value and the seed, to the step's end
     fields = dict(loss_forward_bytes=max(0, forward - output_bytes), loss_held_bytes=held,
                   loss_bytes=max(0, tracker.peak_bytes - output_bytes - made - held))
@@ -669,6 +689,10 @@ class _Probe(fx.Interpreter):
         super().__init__(gm)
         self.cost_model = cost_model
         self.static = {id(_storage(t)) for t in list(gm.parameters()) + list(gm.buffers())}
+        self.trainable: dict[int, int] = {}  # storage of parameters that take gradients -> their gradients' bytes
+        for p in gm.parameters():
+            if p.requires_grad:
+                self.trainable[id(_storage(p))] = self.trainable.get(id(_storage(p)), 0) + p.numel() * p.element_size()
         self.buffer_ids = {id(b) for b in gm.buffers()}
         self.buffer_of_storage = {id(_storage(b)): (name, b) for name, b in gm.named_buffers()}
         self.static_names = {id(_storage(t)): f"{kind} {name!r}" for kind, named in
@@ -724,6 +748,7 @@ class _Probe(fx.Interpreter):
             self.random_nodes.add(node.name)
         wrote = any(t._version != v for t, v in zip(inputs, versions) if id(_storage(t)) not in self.static)
         self._record(node, result, saved, flops.get_total_flops(), wrote)
+        self._note_params(node, inputs)
         self._note_state(node, inputs, versions)
         return result
 
@@ -757,6 +782,16 @@ class _Probe(fx.Interpreter):
                 self.state_readers.setdefault(key, []).append(node)
                 self.groups[g]["after"] |= self.state_after.get(key, set())
 
+    def _note_params(self, node: fx.Node, inputs: list[torch.Tensor]):
+        """Note the trainable parameters an IR node's member reads: its module's, for a module call, and any
+        among its inputs, directly or through a view (a bare ``nn.Parameter``, ``self.cls_token.expand(...)``,
+        a tied embedding's ``weight.t()``) (NOTE [parameter gradients])."""
+        g = self.group_of.get(node.name)
+        if g is None:
+            return
+        read = [*inputs, *(self.module.get_submodule(node.target).parameters() if node.op == "call_module" else ())]
+        self.groups[g]["params"].update(key for t in read if (key := id(_storage(t))) in self.trainable)
+
     def _may_write(self, target) -> bool:
         """Whether an augmented assignment may write ``target`` in place (NOTE [augmented assignments]):
         it is an IR node's value that no other IR node has read yet."""
@@ -781,7 +816,7 @@ class _Probe(fx.Interpreter):
         if new:
             g = len(self.groups)
             self.groups.append(dict(members=[], final=node, bytes=sum(s.nbytes() for s in new.values()), cost=0.0, flops=0,
-                                    reads=set(), extra=0, params=0, after=set(),
+                                    reads=set(), extra=0, params=set(), after=set(),
                                     kind=_kind(node, self.module)))
             for s in new.values():
                 self.group_of_storage[id(s)] = (weakref.ref(s), g)
@@ -811,7 +846,6 @@ class _Probe(fx.Interpreter):
                 self.readers.setdefault(h, {}).setdefault(g, node)
         group["cost"] += _cost(node, self.module, self.cost_model, flop_count)
         group["flops"] += flop_count
-        group["params"] += _param_bytes(node, self.module)
         self.group_of[node.name] = g
         extras = {}  # a storage saved as several views (an LSTM's gates, step by step) is held once
         for t in saved:
@@ -850,6 +884,15 @@ class _Probe(fx.Interpreter):
                         edges.add((rank[h], rank[g]))
             edges.update((rank[h], rank[g]) for h in group["after"] if h != g)  # NOTE [state the forward writes]
         groups = [self.groups[g] for g in order]
+        param_bytes, sharers = [0] * len(groups), [set() for _ in groups]  # NOTE [parameter gradients]
+        readers_of: dict[int, set[int]] = {}
+        for g, group in enumerate(self.groups):
+            for key in group["params"]:
+                readers_of.setdefault(key, set()).add(rank[g])
+        for key, readers in readers_of.items():
+            owner = max(readers)
+            param_bytes[owner] += self.trainable[key]
+            sharers[owner] |= readers - {owner}
         written = {key: self.buffer_of_storage[key][1] for key in self.written_buffers}
         graph = Graph(
             mem_bytes=[g["bytes"] for g in groups],
@@ -859,7 +902,7 @@ class _Probe(fx.Interpreter):
             kinds=[g["kind"] for g in groups],
             backward_reads=[sorted(rank[h] for h in g["reads"]) for g in groups],
             saved_extra_bytes=[g["extra"] for g in groups],
-            param_bytes=[g["params"] for g in groups],
+            param_bytes=param_bytes, param_sharers=[sorted(s) for s in sharers],
             scopes=[_scope(g["final"]) for g in groups],
             flops=[g["flops"] for g in groups],
             grad_shares=[[(kept, size) for preds, size in (shares or {}).get(g, [])
@@ -940,10 +983,3 @@ def _cost(node: fx.Node, module: torch.nn.Module, cost_model: str, flop_count: i
     target = _target(node, module)
     is_conv = isinstance(target, _CONV_TYPES) and not isinstance(target, torch.nn.modules.conv._ConvTransposeNd)
     return 10.0 if is_conv or target in _CONV_FUNCTIONS else 1.0
-
-
-def _param_bytes(node: fx.Node, module: torch.nn.Module) -> int:
-    if node.op != "call_module":
-        return 0
-    params = module.get_submodule(node.target).parameters()
-    return sum(p.numel() * p.element_size() for p in params if p.requires_grad)

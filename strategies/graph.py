@@ -72,12 +72,14 @@ class Graph:
     (its saved tensors); by default every predecessor, which is seed 004's model. A traced graph records
     what autograd really saves (a ReLU its output, an addition nothing). ``saved_extra_bytes[v]`` counts
     what that backward keeps besides node values (pooling indices, normalisation statistics), and
-    ``param_bytes[v]`` the parameters ``v``'s computation owns, whose gradients its backward makes.
-    Both default to zero, as in seed 004, which leaves parameters out of the model. ``scopes[v]`` is the
-    path of the module that computed ``v`` (``"layer1.0.conv1"``), when the graph was traced; strategies
-    that follow a net's own blocks read it. ``flops[v]`` counts the floating-point operations of ``v``'s
-    forward computation (traced graphs; hand-written ones default to ``cost``), for strategies that need
-    times rather than cost units (``swap``). ``loss_bytes`` is what the loss's backward holds at its
+    ``param_bytes[v]`` the gradients of the parameters ``v`` is the last in the forward order to read,
+    each parameter counted once; ``param_sharers[v]`` the other nodes that read them (a module applied
+    several times, a tied embedding): the backward of whichever of them runs first makes those gradients.
+    Both default to zero (and no sharers), as in seed 004, which leaves parameters out of the model.
+    ``scopes[v]`` is the path of the module that computed ``v`` (``"layer1.0.conv1"``), when the graph was
+    traced; strategies that follow a net's own blocks read it. ``flops[v]`` counts the floating-point operations
+    of ``v``'s forward computation (traced graphs; hand-written ones default to ``cost``), for strategies that
+    need times rather than cost units (``swap``). ``loss_bytes`` is what the loss's backward holds at its
     peak, besides the outputs, their gradients and what stays (a language model's log-softmax over
     the vocabulary), measured when the graph was traced with its loss; zero otherwise. ``loss_held_bytes``
     is what stays to the end of the step (the loss's value and the backward's seed).
@@ -126,6 +128,7 @@ class Graph:
     backward_reads: tuple[tuple[int, ...], ...] | None = None
     saved_extra_bytes: tuple[int, ...] | None = None
     param_bytes: tuple[int, ...] | None = None
+    param_sharers: tuple[tuple[int, ...], ...] | None = None
     scopes: tuple[str, ...] | None = None
     flops: tuple[float, ...] | None = None
     loss_bytes: int = 0
@@ -153,7 +156,7 @@ class Graph:
                  saved_extra_bytes=None, param_bytes=None, scopes=None, flops=None, loss_bytes=0, grad_shares=None,
                  backward_work_bytes=None, loss_held_bytes=0, recompute_state_bytes=None, backward_peak_bytes=None,
                  early_grads=None, loss_forward_bytes=0, outputs=None, loss_grad_bytes=None, loss_reads=(),
-                 backward_frees=None, forward_transient_bytes=None):
+                 backward_frees=None, forward_transient_bytes=None, param_sharers=None):
         n = len(mem_bytes)
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
         put("mem_bytes", tuple(int(m) for m in mem_bytes))
@@ -186,6 +189,8 @@ class Graph:
         put("saved_extra_bytes", tuple(int(b) for b in extra))
         params = param_bytes if param_bytes is not None else [0] * n
         put("param_bytes", tuple(int(b) for b in params))
+        sharers = param_sharers if param_sharers is not None else [()] * n
+        put("param_sharers", tuple(tuple(sorted({int(u) for u in s})) for s in sharers))
         put("scopes", tuple(str(x) for x in scopes) if scopes is not None else tuple("" for _ in range(n)))
         put("flops", tuple(float(f) for f in flops) if flops is not None else self.cost)
         put("loss_bytes", int(loss_bytes))
@@ -260,7 +265,7 @@ class Graph:
                  "param_bytes", "scopes", "flops", "loss_bytes", "grad_shares",
                  "backward_work_bytes", "loss_held_bytes", "recompute_state_bytes", "backward_peak_bytes",
                  "early_grads", "loss_forward_bytes", "outputs", "loss_grad_bytes", "loss_reads", "backward_frees",
-                 "forward_transient_bytes")
+                 "forward_transient_bytes", "param_sharers")
         return Graph(**{name: fields.get(name, getattr(self, name)) for name in names})
 
     def mem(self, nodes: int) -> int:
@@ -297,9 +302,16 @@ def _validate(graph: Graph) -> None:
 def _validate_backward(graph: Graph) -> None:
     n = len(graph)
     if (len(graph.backward_reads) != n or len(graph.saved_extra_bytes) != n or len(graph.param_bytes) != n
-            or len(graph.scopes) != n or len(graph.flops) != n):
-        raise ValueError("Graph: backward_reads, saved_extra_bytes, param_bytes, scopes and flops need one entry "
-                         "per node")
+            or len(graph.param_sharers) != n or len(graph.scopes) != n or len(graph.flops) != n):
+        raise ValueError("Graph: backward_reads, saved_extra_bytes, param_bytes, param_sharers, scopes and flops "
+                         "need one entry per node")
+    for v, sharers in enumerate(graph.param_sharers):
+        if sharers and not graph.param_bytes[v]:
+            raise ValueError(f"Graph: node {v} ({graph.names[v]}) has param_sharers {list(sharers)} but no "
+                             "param_bytes; sharers read the parameters whose gradients param_bytes counts")
+        if any(not 0 <= u < n or u == v for u in sharers):
+            raise ValueError(f"Graph: param_sharers of node {v} ({graph.names[v]}) must be other nodes, got "
+                             f"{list(sharers)}")
     if len(graph.grad_shares) != n or len(graph.backward_work_bytes) != n or len(graph.recompute_state_bytes) != n:
         raise ValueError("Graph: grad_shares, backward_work_bytes and recompute_state_bytes need one entry per node")
     if graph.backward_peak_bytes is not None and len(graph.backward_peak_bytes) != n:

@@ -306,7 +306,9 @@ def _rebuilt(graph: Graph, plan: Plan) -> tuple[int, int]:
 
 def _saving(graph: Graph, stage: int) -> list[int]:
     """The nodes of ``stage`` whose layers save a tensor for their backward."""
-    return [v for v in members(stage) if graph.backward_reads[v] or graph.saved_extra_bytes[v] or graph.param_bytes[v]]
+    sharing = {u for sharers in graph.param_sharers for u in sharers}
+    return [v for v in members(stage)
+            if graph.backward_reads[v] or graph.saved_extra_bytes[v] or graph.param_bytes[v] or v in sharing]
 
 
 def _last_saving(graph: Graph, stage: int) -> int:
@@ -443,8 +445,7 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
             missing.add(stage_of[v])
         recompute(missing)
         allocs, frees = gradients.backward(v, _after_members(graph, v) if in_place_first else None)
-        if graph.param_bytes[v]:
-            allocs.append((("param_grad", v), graph.param_bytes[v]))
+        allocs += gradients.params(v)
         if work and not in_place_first:
             allocs.append((("work", v), work))
         for u in reads + frame_holds.get(v, []):
@@ -475,6 +476,19 @@ class _Gradients:
         self.buffer_of: dict[int, tuple] = {}  # node -> key of the buffer holding its gradient
         self.holders: dict[tuple, int] = {}  # buffer key -> how many nodes' gradients it holds
         self.size: dict[tuple, int] = {}  # buffer key -> bytes
+        # node -> the nodes whose parameters' gradients its backward makes, if it is the first of their readers
+        self.param_owners = [[v] if graph.param_bytes[v] else [] for v in range(len(graph))]
+        for v, sharers in enumerate(graph.param_sharers):
+            for u in sharers:
+                self.param_owners[u].append(v)
+        self.params_made: set[int] = set()
+
+    def params(self, v: int) -> list:
+        """The parameter gradients the backward of ``v`` makes: those of the parameters no backward has
+        reached yet (``Graph.param_sharers``); they stay to the step's end."""
+        owners = [u for u in self.param_owners[v] if u not in self.params_made]
+        self.params_made.update(owners)
+        return [(("param_grad", u), self.graph.param_bytes[u]) for u in owners]
 
     def hold(self, u: int, key: tuple, size: int | None = None):
         if size is not None:
@@ -605,8 +619,7 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
                 assert in_place_done, f"schedule: the backward of node {v} without its value"
                 present &= ~sum(1 << i for i in gone)
                 allocs, frees = gradients.backward(v, _after_members(graph, v) if in_place_first else None)
-                if graph.param_bytes[v]:
-                    allocs.append((("param_grad", v), graph.param_bytes[v]))
+                allocs += gradients.params(v)
                 if work and v not in graph.backward_reads[v]:  # made after what it saved is read
                     allocs.append((("work", v), work))
                 allocs += _to_measured_peak(graph, v, held_by_members + sum(size for _, size in allocs), frees,

@@ -58,6 +58,18 @@ def test_recomputation_in_the_timeline():
     assert simulate(g, plan).overhead_cost == 3.0
 
 
+def test_a_shared_parameters_gradient_is_made_once_by_the_first_backward_that_reaches_it():
+    # b and c read one parameter (a module applied on two branches); its bytes count at c, the later
+    # reader, and b shares them (NOTE [parameter gradients] in harness/trace.py).
+    g = diamond().replace(param_bytes=[0, 0, 100, 0], param_sharers=[(), (), (1,), ()])
+    for stages, first in (([[0, 1], [2], [3]], 2), ([[0, 2], [1, 3]], 1)):  # the backward reaches c first, then b
+        steps = timeline(g, Plan.from_stages(g, stages))
+        made = [s.node for s in steps if (("param_grad", 2), 100) in s.allocs]
+        assert made == [first], stages
+    with pytest.raises(ValueError, match="param_sharers of node 2"):
+        g.replace(param_sharers=[(), (), (2,), ()])
+
+
 def test_plan_validation_names_the_node():
     g = diamond()
     with pytest.raises(ValueError, match="its input 0"):
