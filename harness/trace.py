@@ -123,6 +123,16 @@ Seed 004's model, every sink an output handed a gradient its own size and nothin
 head's vanilla step by +14% under a sum and by -19% and -31% under squared errors
 (``tests/test_accounting.py``).
 
+NOTE [tensors a module keeps]
+The pre-hook forms of ``spectral_norm`` and ``weight_norm`` compute the layer's weight before each call
+and keep it as a plain attribute of the module (``module.weight``) until the next call replaces it.
+The layer saves that weight for its backward, but dropping the saved tensor frees nothing: the module
+holds it to the step's end whatever the plan, and a recomputation makes another while the first is
+still there. So what a layer saves that a module keeps as an attribute after the forward is not a
+saved extra but ``Graph.attribute_bytes``, made by the layer's first call and held to the end; each
+recomputation holds a second one while it runs. Counted as a saved extra, which a plan that recomputes
+the layer drops, such a discriminator's plans were predicted 2-3% low.
+
 NOTE [parameter gradients]
 A parameter's gradient is made once, by the first backward in the step that reaches it, and stays to the
 step's end; the autograd engine sums what later readers' backwards hand it into that buffer. So the probe
@@ -196,6 +206,8 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
         probe = _Probe(meta_module, cost_model)
         with torch.enable_grad():
             output = probe.run(example_input.to("meta").requires_grad_(False))
+        # What layers saved that a module keeps as an attribute (NOTE [tensors a module keeps]).
+        probe.kept_by_modules = {id(_storage(t)) for t in non_leaf_attributes(meta_module)}
         if probe.out_of_place:  # where the probe ran a copy, the same out-of-place turns here
             for node in gm.graph.nodes:
                 if node.name in probe.out_of_place:
@@ -203,9 +215,9 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
             gm.recompile()
         loss_fn = loss_fn or sum_loss  # the executor's default
         shares, work, early = _gradients(probe, output, loss_fn)
-        peaks, frees, transients = _backward_peaks(meta_module, probe.group_of, probe.view_names, example_input,
-                                                   loss_fn)
-        traced = probe.result(gm, shares, work, peaks, early, frees, transients)
+        peaks, frees, transients, unpacks = _backward_peaks(meta_module, probe.group_of, probe.view_names,
+                                                            example_input, loss_fn)
+        traced = probe.result(gm, shares, work, peaks, early, frees, transients, unpacks)
 
         def node_of(t: torch.Tensor) -> int | None:
             g = probe._group(_storage(t))
@@ -291,19 +303,22 @@ def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict, dict]:
 
 
 def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set[str], example_input: torch.Tensor,
-                    loss_fn) -> tuple[dict[int, int], dict[int, tuple[set[int], int]], dict[int, int]]:
+                    loss_fn) -> tuple[dict[int, int], dict[int, tuple[set[int], int]], dict[int, int], dict]:
     """The most each layer's backward holds above what was live as it began (``Graph.backward_peak_bytes``),
     seen in a plain training step on meta: the gradients it makes (working ones, its inputs', its
     parameters') less what it frees on the way (its saved extras as each of its autograd nodes finishes,
     the gradient it received). Forward values are held as if never freed: the replay decides when they go.
     Beside it, for each layer, the forward values its backward freed and the peak with them going as they
-    went (``Graph.backward_frees``), and the most its forward call held above what it left
-    (``Graph.forward_transient_bytes``)."""
+    went (``Graph.backward_frees``), the most its forward call held above what it left
+    (``Graph.forward_transient_bytes``), and what its backward held above what was live as it began the
+    first time it unpacked each IR node's value or, its own, what it saved besides
+    (``Graph.unpack_held_bytes``)."""
     from harness.measure import MemoryTracker
 
     layers: dict[object, int] = {}  # autograd node -> the probe group whose layer call made it
     values: dict[int, int] = {}  # storages of IR nodes' values -> their probe group
     transients: dict[int, int] = {}  # probe group -> the most one of its calls held above what it left
+    unpacks: dict[int, dict[int, int]] = {}  # probe group -> {group unpacked: held at its first unpack}
 
     class Claiming(fx.Interpreter):
         def run_node(self, node: fx.Node):
@@ -362,12 +377,23 @@ def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set
                 self.layer, self.start, self.freeing_start = g, self.level, self.freeing
             return super().__torch_dispatch__(func, types, args, kwargs)
 
+    def unpack(t):
+        g = layers.get(torch._C._current_autograd_node())
+        key = id(_storage(t))
+        if g is not None and key not in static:  # an IR node's value, or (g's own) what g's layer saved besides
+            # Before the layer's first op, it holds nothing yet.
+            held = tracker.level - tracker.start if g == tracker.layer else 0
+            unpacks.setdefault(g, {}).setdefault(values.get(key, g), held)
+        return t
+
     x = example_input.to("meta")
+    static = {id(_storage(t)) for t in [*module.parameters(), *module.buffers(), x]}
     module.zero_grad(set_to_none=True)  # as every step starts (a gradient already there is summed into)
     with torch.enable_grad(), LayerPeaks(module, (x,)) as tracker:
-        loss_fn(Claiming(module).run(x)).backward()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            loss_fn(Claiming(module).run(x)).backward()
     module.zero_grad(set_to_none=True)
-    return tracker.peaks, tracker.frees, transients
+    return tracker.peaks, tracker.frees, transients, unpacks
 
 
 def _new_autograd_nodes(outputs, known: dict) -> list:
@@ -716,6 +742,7 @@ class _Probe(fx.Interpreter):
         self.state_order: set[tuple[str, str]] = set()  # (reader, writer) of a buffer
         self.written_buffers: dict[int, str] = {}  # storage -> name of a buffer a node of its own writes
         self.node_inputs: dict[str, list[torch.Tensor]] = {}  # fx node -> its input tensors, for ``_state_bytes``
+        self.kept_by_modules: set[int] = set()  # storages of what modules keep as attributes after the run
 
     def _group(self, storage) -> int | None:
         entry = self.group_of_storage.get(id(storage))
@@ -816,7 +843,7 @@ class _Probe(fx.Interpreter):
         if new:
             g = len(self.groups)
             self.groups.append(dict(members=[], final=node, bytes=sum(s.nbytes() for s in new.values()), cost=0.0, flops=0,
-                                    reads=set(), extra=0, params=set(), after=set(),
+                                    reads=set(), extra={}, params=set(), after=set(),
                                     kind=_kind(node, self.module)))
             for s in new.values():
                 self.group_of_storage[id(s)] = (weakref.ref(s), g)
@@ -854,7 +881,7 @@ class _Probe(fx.Interpreter):
                 group["reads"].add(owner)
             elif id(_storage(t)) not in self.static:
                 extras[id(_storage(t))] = _storage(t).nbytes()
-        group["extra"] += sum(extras.values())
+        group["extra"].update(extras)
         self._keep_alive += saved
 
     def _claim(self, outputs, g: int, view: bool, in_place: bool):
@@ -870,7 +897,7 @@ class _Probe(fx.Interpreter):
 
     def result(self, gm: fx.GraphModule, shares: dict | None = None, work: dict | None = None,
                peaks: dict | None = None, early: dict | None = None, frees: dict | None = None,
-               transients: dict | None = None) -> Traced:
+               transients: dict | None = None, unpacks: dict | None = None) -> Traced:
         # The probe may run a meta copy of gm: match nodes by name.
         position = {node.name: i for i, node in enumerate(gm.graph.nodes)}
         order = sorted(range(len(self.groups)), key=lambda g: position[self.groups[g]["final"].name])
@@ -901,7 +928,9 @@ class _Probe(fx.Interpreter):
             names=[g["final"].name for g in groups],
             kinds=[g["kind"] for g in groups],
             backward_reads=[sorted(rank[h] for h in g["reads"]) for g in groups],
-            saved_extra_bytes=[g["extra"] for g in groups],
+            saved_extra_bytes=[sum(b for key, b in g["extra"].items() if key not in self.kept_by_modules)
+                               for g in groups],
+            attribute_bytes=[sum(b for key, b in g["extra"].items() if key in self.kept_by_modules) for g in groups],
             param_bytes=param_bytes, param_sharers=[sorted(s) for s in sharers],
             scopes=[_scope(g["final"]) for g in groups],
             flops=[g["flops"] for g in groups],
@@ -914,6 +943,8 @@ class _Probe(fx.Interpreter):
                 (sorted(rank[h] for h in freed if h in rank), peak)
                 for freed, peak in (frees.get(g, (set(), peaks.get(g, 0))) for g in order)],
             forward_transient_bytes=None if transients is None else [transients.get(g, 0) for g in order],
+            unpack_held_bytes=None if unpacks is None else [
+                [(rank[h], held) for h, held in unpacks.get(g, {}).items() if h in rank] for g in order],
             early_grads=[sorted(rank[h] for h in (early or {}).get(g, ()) if (rank[h], rank[g]) in edges) for g in order],
         )
         members = tuple(tuple(node.name for node in g["members"]) for g in groups)

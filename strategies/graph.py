@@ -115,6 +115,15 @@ class Graph:
     ``forward_transient_bytes[v]`` is the most a call of ``v``'s layer holds, while it runs, above what it
     leaves (a ``Linear`` on a non-contiguous batch of sequences multiplies, then adds its bias into a new
     buffer); measured in the forward of a plain step, None on hand-written graphs.
+    ``unpack_held_bytes[v]`` lists, in the order the backward of ``v``'s layer first unpacks them, pairs
+    ``(u, bytes)``: the node whose value it unpacks (``u == v``: its own value, or what it saved besides)
+    and what it holds then above what was live as it began (a weight-normalised layer's product has made
+    its weight's gradient before the normalisation's backward unpacks its norms); a recomputation that
+    unpack calls for runs on top of that. Measured in a plain step, None on hand-written graphs.
+    ``attribute_bytes[v]`` is what ``v``'s layer saves that a module keeps as an attribute (the weight the
+    pre-hook ``spectral_norm`` computes): made by its first call and held to the step's end whatever the
+    plan, one more held while a recomputation runs (NOTE [tensors a module keeps] in
+    ``harness/trace.py``); zero on hand-written graphs.
     ``early_grads[v]`` are the predecessors whose gradient ``v``'s in-place members make, before the rest
     of its layer's backward runs (torchvision's ``out += identity`` after a batch norm: the addition hands
     the identity its gradient, then the batch norm's backward runs); empty on hand-written graphs.
@@ -144,6 +153,8 @@ class Graph:
     loss_reads: tuple[int, ...] = ()
     backward_frees: tuple[tuple[tuple[int, ...], int], ...] | None = None
     forward_transient_bytes: tuple[int, ...] | None = None
+    unpack_held_bytes: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    attribute_bytes: tuple[int, ...] | None = None
     preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     pred_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -156,7 +167,8 @@ class Graph:
                  saved_extra_bytes=None, param_bytes=None, scopes=None, flops=None, loss_bytes=0, grad_shares=None,
                  backward_work_bytes=None, loss_held_bytes=0, recompute_state_bytes=None, backward_peak_bytes=None,
                  early_grads=None, loss_forward_bytes=0, outputs=None, loss_grad_bytes=None, loss_reads=(),
-                 backward_frees=None, forward_transient_bytes=None, param_sharers=None):
+                 backward_frees=None, forward_transient_bytes=None, param_sharers=None, unpack_held_bytes=None,
+                 attribute_bytes=None):
         n = len(mem_bytes)
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
         put("mem_bytes", tuple(int(m) for m in mem_bytes))
@@ -216,6 +228,9 @@ class Graph:
             tuple((tuple(sorted(int(u) for u in freed)), int(peak)) for freed, peak in backward_frees))
         put("forward_transient_bytes", None if forward_transient_bytes is None else
             tuple(int(b) for b in forward_transient_bytes))
+        put("unpack_held_bytes", None if unpack_held_bytes is None else
+            tuple(tuple((int(u), int(b)) for u, b in firsts) for firsts in unpack_held_bytes))
+        put("attribute_bytes", tuple(int(b) for b in (attribute_bytes if attribute_bytes is not None else [0] * n)))
         _validate_backward(self)
         if min(self.loss_bytes, self.loss_held_bytes, self.loss_forward_bytes) < 0:
             raise ValueError(f"Graph: loss_bytes, loss_held_bytes and loss_forward_bytes must not be negative, got "
@@ -265,7 +280,7 @@ class Graph:
                  "param_bytes", "scopes", "flops", "loss_bytes", "grad_shares",
                  "backward_work_bytes", "loss_held_bytes", "recompute_state_bytes", "backward_peak_bytes",
                  "early_grads", "loss_forward_bytes", "outputs", "loss_grad_bytes", "loss_reads", "backward_frees",
-                 "forward_transient_bytes", "param_sharers")
+                 "forward_transient_bytes", "param_sharers", "unpack_held_bytes", "attribute_bytes")
         return Graph(**{name: fields.get(name, getattr(self, name)) for name in names})
 
     def mem(self, nodes: int) -> int:
@@ -312,14 +327,18 @@ def _validate_backward(graph: Graph) -> None:
         if any(not 0 <= u < n or u == v for u in sharers):
             raise ValueError(f"Graph: param_sharers of node {v} ({graph.names[v]}) must be other nodes, got "
                              f"{list(sharers)}")
-    if len(graph.grad_shares) != n or len(graph.backward_work_bytes) != n or len(graph.recompute_state_bytes) != n:
-        raise ValueError("Graph: grad_shares, backward_work_bytes and recompute_state_bytes need one entry per node")
+    if (len(graph.grad_shares) != n or len(graph.backward_work_bytes) != n or len(graph.recompute_state_bytes) != n
+            or len(graph.attribute_bytes) != n):
+        raise ValueError("Graph: grad_shares, backward_work_bytes, recompute_state_bytes and attribute_bytes need "
+                         "one entry per node")
     if graph.backward_peak_bytes is not None and len(graph.backward_peak_bytes) != n:
         raise ValueError("Graph: backward_peak_bytes needs one entry per node (or None: not measured)")
     if graph.backward_frees is not None and len(graph.backward_frees) != n:
         raise ValueError("Graph: backward_frees needs one entry per node (or None: not measured)")
     if graph.forward_transient_bytes is not None and len(graph.forward_transient_bytes) != n:
         raise ValueError("Graph: forward_transient_bytes needs one entry per node (or None: not measured)")
+    if graph.unpack_held_bytes is not None and len(graph.unpack_held_bytes) != n:
+        raise ValueError("Graph: unpack_held_bytes needs one entry per node (or None: not measured)")
     for v, shares in enumerate(graph.grad_shares):
         shared = [u for preds, _ in shares for u in preds]
         if len(set(shared)) != len(shared) or not set(shared) <= set(graph.preds[v]):

@@ -87,6 +87,11 @@ working gradients never count for more than that peak either (``_working``), and
 layer's recomputation only when in-place members make them, reading the layer's own value (a ReLU after a
 convolution); an attention makes them after it reads what it saved, that is after its recomputation. On
 the seven CNNs no step changes; on the transformers the replay now gives the tracker's peak to the byte.
+A layer's backward may also run a while before it unpacks the tensor that calls for its recomputation: a
+weight-normalised linear layer's product makes its weight's gradient, then the normalisation's backward
+unpacks its norms. The recomputation runs on top of what the layer holds by then, which the trace notes at
+the first unpack of each value (``Graph.unpack_held_bytes``; an ``unpacking`` entry held over the
+recomputation). Replayed at the start of the layer's backward, such a net was predicted 2% low.
 
 NOTE [a checkpointed stage]
 The PyTorch peers run ``torch.utils.checkpoint(use_reentrant=False)`` around blocks, and their plans mark
@@ -343,7 +348,7 @@ def _forward(graph, order, kept, saves, swapped, readers, recompute_stages, foun
             allocs.append((("extra", v), graph.saved_extra_bytes[v]))
             if not saves >> v & 1:  # a recomputed layer's extras go now and come back with it
                 frees.append(("extra", v))
-        _transient(graph, v, allocs, frees)
+        _transient(graph, v, allocs, frees, first=True)
         for u in graph.preds[v]:
             uses_left[u] -= 1
             if uses_left[u] == 0 and not held(u) and u not in outputs:
@@ -441,9 +446,19 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
         missing = {stage_of[u % n] for u in reads if not present[u]}
         assert all(present[u] for u in reads if plan.swapped >> u & 1), \
             f"simulator: the backward of node {v} reads a swapped value before its prefetch"
-        if graph.saved_extra_bytes[v] and not extras_present[v]:
+        extras_missing = bool(graph.saved_extra_bytes[v] and not extras_present[v])
+        if extras_missing:
             missing.add(stage_of[v])
+        # The layer's backward may run a while before it unpacks what it must wait for (NOTE [a layer's
+        # backward peak]): the recomputation runs on top of what it holds by then.
+        own_missing = not in_place_first and own in reads and not present[own]
+        unpacking = _held_at_unpack(graph, v, lambda u: own_missing or extras_missing if u == v
+                                    else not present[copy(u, v)]) - held if missing else 0
+        if unpacking > 0:
+            steps.append(Step(v, "backward", ((("unpacking", v), unpacking),), ()))
         recompute(missing)
+        if unpacking > 0:
+            steps.append(Step(v, "backward", (), (("unpacking", v),)))
         allocs, frees = gradients.backward(v, _after_members(graph, v) if in_place_first else None)
         allocs += gradients.params(v)
         if work and not in_place_first:
@@ -642,7 +657,7 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
                     frees.append(("state_after", k))
                 elif t != k:
                     frees.append(("state", k))
-            _transient(graph, k, allocs, frees)
+            _transient(graph, k, allocs, frees, first=t == k)
             present |= 1 << k
             # nothing reads it before its next computation (an output: the loss, at the turn)
             if not held_next >> k & 1 and not read_later(row, k, k) and not (t < n and outputs >> k & 1):
@@ -699,12 +714,27 @@ def _to_measured_peak(graph: Graph, v: int, held: int, frees: list, released: se
     return [(("measured", v), peak - held)]
 
 
-def _transient(graph: Graph, v: int, allocs: list, frees: list):
+def _held_at_unpack(graph: Graph, v: int, missing) -> int:
+    """What the backward of ``v``'s layer holds, above what was live as it began, when it first unpacks
+    a value for which ``missing`` is true (``Graph.unpack_held_bytes``; 0 where not measured)."""
+    for u, held in graph.unpack_held_bytes[v] if graph.unpack_held_bytes is not None else ():
+        if missing(u):
+            return held
+    return 0
+
+
+def _transient(graph: Graph, v: int, allocs: list, frees: list, first: bool):
     """What a call of ``v``'s layer holds while it runs above what it leaves (``Graph.forward_transient_bytes``):
-    gone by the step's end."""
+    gone by the step's end; and what it leaves on a module (``Graph.attribute_bytes``): from its ``first``
+    call to the step's end, and a second one while a later call runs, until it replaces the first."""
     if graph.forward_transient_bytes is not None and graph.forward_transient_bytes[v]:
         allocs.append((("transient", v), graph.forward_transient_bytes[v]))
         frees.append(("transient", v))
+    if graph.attribute_bytes[v]:
+        key = ("attribute", v) if first else ("attribute_again", v)
+        allocs.append((key, graph.attribute_bytes[v]))
+        if not first:
+            frees.append(key)
 
 
 def _turn(graph: Graph, gradients: "_Gradients", fetched=()) -> Step:
@@ -719,9 +749,10 @@ def _turn(graph: Graph, gradients: "_Gradients", fetched=()) -> Step:
 
 
 def _end(graph: Graph) -> Step:
-    """Parameter gradients outlive the step (the optimizer reads them), as does the loss's value: freed at
-    the end for the tally."""
+    """Parameter gradients outlive the step (the optimizer reads them), as do the loss's value and what
+    modules keep (``Graph.attribute_bytes``): freed at the end for the tally."""
     return Step(-1, "backward", (), tuple([*(("param_grad", v) for v in range(len(graph)) if graph.param_bytes[v]),
+                                          *(("attribute", v) for v in range(len(graph)) if graph.attribute_bytes[v]),
                                           *([("loss_held", -1)] if graph.loss_held_bytes else [])]))
 
 
@@ -754,7 +785,7 @@ def _recompute_stage(graph, nodes, copy, s, present, readers_left, stages_left, 
             if checkpointed:  # ``batchnorm_once``'s copies, made now
                 allocs.append((("state", o), graph.recompute_state_bytes[o]))
             frees.append(("state", o))
-        _transient(graph, o, allocs, frees)
+        _transient(graph, o, allocs, frees, first=False)
         steps.append(Step(o, "recompute", tuple(allocs), tuple(frees)))
     for u in range(n):
         if s in stages_left[u]:  # this stage's recomputation was the last reader of a kept value

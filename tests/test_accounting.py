@@ -223,6 +223,41 @@ def test_a_layers_forward_temporary_is_counted():
         assert measured == predicted, plan.stages
 
 
+def test_a_recomputation_runs_on_what_its_layers_backward_holds_when_it_unpacks():
+    # A weight-normalised linear layer makes its weight's gradient (its product's backward) before the
+    # normalisation's backward unpacks its norms, which a plan that discards the layer recomputes: the
+    # recomputation runs on top of that gradient (``Graph.unpack_held_bytes``). Replayed at the start of
+    # the layer's backward, it was predicted 2% low.
+    from torch.nn.utils.parametrizations import weight_norm
+
+    model = nn.Sequential(*[nn.Sequential(weight_norm(nn.Linear(64, 64)), nn.Tanh()) for _ in range(5)]).to("meta")
+    x, loss_fn = torch.empty(16, 64, device="meta"), lambda out: out.square().mean()
+    traced = trace(model, x, loss_fn=loss_fn)
+    graph = traced.graph
+    first = graph.names.index("_0_0")  # reads the input: its product saves no weight for its backward
+    # Its weight's and bias's gradients, less the gradient it received, gone by then.
+    assert graph.unpack_held_bytes[first][0] == (first, (64 * 64 + 64 - 16 * 64) * 4)
+    every_other = strategies.Plan.from_stages(graph, [strategies.bits(range(2 * i, 2 * i + 2)) for i in range(5)])
+    for plan in (every_other, strategies.solve("approx_dp", graph, mode="mc")):
+        measured, predicted = measured_and_predicted(model, x, loss_fn, traced, plan)
+        assert measured == predicted, plan.stages
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+@pytest.mark.parametrize("norm", ["spectral_norm", "weight_norm"])
+def test_what_a_module_keeps_is_held_whatever_the_plan(norm):
+    # NOTE [tensors a module keeps] in harness/trace.py: the pre-hook norms keep the weight they compute on
+    # the module; counted as a saved extra that recomputation drops, plans were predicted 2-3% low.
+    wrap = getattr(torch.nn.utils, norm)
+    model = nn.Sequential(*[nn.Sequential(wrap(nn.Conv2d(8, 8, 3, padding=1)), nn.LeakyReLU(0.1))
+                            for _ in range(5)]).to("meta")
+    x, loss_fn = torch.empty(4, 8, 16, 16, device="meta"), lambda out: out.square().mean()
+    traced = trace(model, x, loss_fn=loss_fn)
+    assert traced.graph.attribute_bytes[traced.graph.names.index("_0_0")] == 8 * 8 * 3 * 3 * 4  # the weight
+    for plan in (strategies.solve("chen_sqrt", traced.graph), strategies.solve("approx_dp", traced.graph, mode="mc")):
+        measured, predicted = measured_and_predicted(model, x, loss_fn, traced, plan)
+        assert measured == predicted, plan.stages
+
 class AppliedFourTimes(nn.Module):
     """One block applied four times (ALBERT, universal transformers): its parameters take one gradient."""
 

@@ -395,6 +395,29 @@ def test_custom_autograd_functions_run_their_own_backward():
         assert difference.exact, (plan.stages, difference)
 
 
+class OwnCheckpoints(nn.Module):
+    """Blocks the model checkpoints itself, as timm's and Hugging Face's gradient checkpointing do."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Dropout(0.2)) for _ in range(4)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def test_a_models_own_non_reentrant_checkpoint_is_traced_through():
+    # The plan decides what is recomputed: every layer inside the model's checkpoints is an IR node, the
+    # traced program runs no checkpoint of its own, and plans that recompute those layers are exact.
+    torch.manual_seed(0)
+    model, x = OwnCheckpoints(), torch.randn(8, 16)
+    traced = assert_exact(model, x, lambda out: out.square().sum())
+    assert len(traced.graph) == 12 and "blocks_3_2" in traced.graph.names
+    assert "checkpoint" not in traced.module.code
+
+
 class ReadThenWrite(nn.Module):
     """A buffer added to a value, then written: the layer that read it reads the old value."""
 
