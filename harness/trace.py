@@ -82,7 +82,10 @@ side effects] in ``harness/execute.py``). A tensor the program makes without nam
 the default device, which the meta runs (the trace's, ``measure``'s, the compiled replay's, and a
 recomputation on autograd's thread) set to meta: a cpu model's noise would otherwise meet meta values. A
 draw whose value steers Python control flow (``if torch.rand(1) < p``) now fails to trace as data-dependent
-control flow, where fx kept one branch.
+control flow, where fx kept one branch. A draw from Python's ``random`` or NumPy's global generator (an
+older LayerDrop's ``if random.random() < p: continue``) is no torch op, and its branch too was kept for
+every step: a module call that moves either generator while fx traces is refused, naming the module
+(``_HOST_DRAWS``).
 
 NOTE [state the forward writes]
 fx proxies parameters but not buffers: ``self.steps.add_(1)`` runs on the real buffer while fx traces and
@@ -153,6 +156,8 @@ import copy
 import dataclasses
 import functools
 import operator
+import random
+import sys
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -515,6 +520,13 @@ class _Tracer(fx.Tracer):
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _AugmentedProxy(node, self)
 
+    def call_module(self, m, forward, args, kwargs):
+        before = _host_rng_state()
+        result = super().call_module(m, forward, args, kwargs)
+        if _host_rng_state() != before:  # the innermost module that drew raises first
+            raise TraceFailure(_host_draw(f"module {self.path_of_module(m)!r} ({type(m).__name__})"))
+        return result
+
     def create_node(self, *args, **kwargs) -> fx.Node:
         node = super().create_node(*args, **kwargs)
         if not torch.is_grad_enabled():  # NOTE [grad mode]
@@ -635,14 +647,19 @@ def _undo_writes(buffers: dict[str, torch.Tensor], saved: dict[str, tuple]) -> l
 
 
 def _fx_trace(model: torch.nn.Module, proxy_buffers: bool) -> fx.GraphModule:
+    before = _host_rng_state()
     try:
         tracer = _Tracer()
         tracer.proxy_buffer_attributes = proxy_buffers
         with torch.enable_grad(), _functions_as_calls(), _DrawsAsCalls(tracer):
             graph = tracer.trace(model)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    except TraceFailure:
+        raise
     except Exception as error:  # fx raises TraceError, but also TypeError/AttributeError from user code
         raise TraceFailure(_why_untraceable(model, error)) from error
+    if _host_rng_state() != before:
+        raise TraceFailure(_host_draw(type(model).__name__))
     if autocast := next((node for node in graph.nodes if "autocast" in node.meta), None):
         raise TraceFailure(
             f"{type(model).__name__} runs {_describe(autocast, gm)} under torch.autocast({autocast.meta['autocast']}) "
@@ -659,6 +676,22 @@ _CONSTRUCTS = [
     ("cannot be iterated", "iteration over a traced value (unpacking, a for loop, *args)"),
     ("'len' is not supported", "len() of a traced value"),
 ]
+
+
+def _host_rng_state() -> tuple:
+    """Python's ``random`` state and NumPy's global one, where NumPy is loaded (NOTE [random draws on
+    constants])."""
+    numpy = sys.modules.get("numpy")
+    state = numpy.random.get_state() if numpy is not None else None
+    return random.getstate(), None if state is None else (state[1].tobytes(), state[2:])
+
+
+def _host_draw(where: str) -> str:
+    return (f"{where} draws from Python's random module or NumPy's global generator in its forward (LayerDrop's "
+            "`if random.random() < p`, say): torch.fx runs that draw once, while it traces, so every step of the "
+            "traced program would take the branch this one took. Switch it off (a layer-drop probability of 0), "
+            "or draw with torch and mask instead of branching (x + mask * f(x), as torchvision's StochasticDepth "
+            "does)")
 
 
 def _why_untraceable(model: torch.nn.Module, error: Exception) -> str:

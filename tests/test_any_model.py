@@ -1,10 +1,12 @@
 """Any PyTorch model, exact: randomness, in-place ops and state handled by mechanism (NOTE [replaying side
 effects] in harness/execute.py), on models from outside the zoo; and models named by source."""
 
+import random
 import sys
 import textwrap
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -496,6 +498,27 @@ def test_data_dependent_control_flow_names_the_module_and_the_construct():
     model = nn.Sequential(nn.Linear(4, 4), Gate())
     with pytest.raises(TraceFailure, match=r"data-dependent control flow.*module '1' \(Gate\).*x\.sum\(\) > 0"):
         trace(model, torch.randn(2, 4))
+
+
+class LayerDrop(nn.Module):
+    """An older LayerDrop: each layer skipped with probability ``p`` by a draw from Python or NumPy."""
+
+    def __init__(self, draw):
+        super().__init__()
+        self.layers, self.draw = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)]), draw
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.draw() >= 0.3:
+                x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("draw", [random.random, np.random.random], ids=["random", "numpy"])
+def test_a_draw_from_python_or_numpy_in_the_forward_is_refused_naming_the_module(draw):
+    # NOTE [random draws on constants]: fx ran the draw once, and every step skipped the same layers.
+    with pytest.raises(TraceFailure, match=r"module '1' \(LayerDrop\) draws from Python's random module or NumPy"):
+        trace(nn.Sequential(nn.Linear(4, 4), LayerDrop(draw)), torch.randn(2, 4))
 
 
 class AutocastInside(nn.Module):
