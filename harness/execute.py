@@ -73,6 +73,7 @@ from harness.measure import on_host
 from harness.nets import sum_loss
 from harness.trace import Traced, generators_of, grad_mode, rng_state, set_rng_state, written_state
 from strategies import Plan, members
+from strategies.simulate import called_for
 
 
 
@@ -169,7 +170,14 @@ class _Step:
             self.fetch_at.setdefault(trigger, []).append(g)
         self.streams = _SwapStreams(sum(graph.mem_bytes[g] + _ALIGN for g in self.swapped))
         self.cached_names: dict[int, set[str]] = {}  # kept group -> its fx nodes that recomputation reads
+        # A kept value is held only for the stages that will be recomputed, as the replay holds it: a stage
+        # whose values no backward reads (a pixel shuffle's) would keep its input through the forward pass.
+        # An output's stage is held to the end of the forward pass, where the loss's saves tell (the loss
+        # may not be the one traced; the replay's ``to_loss``).
+        self.held_for = called_for(graph, self.plan) | {self.stage_of[v] for v in graph.outputs}
         for name in (n for g in self.discarded for n in self.traced.members[g]):
+            if self.stage_of[self.traced.group_of[name]] not in self.held_for:
+                continue
             for source in self.nodes[name].all_input_nodes:
                 g = self.traced.group_of.get(source.name)
                 if g is not None and g not in self.discarded:
@@ -262,6 +270,11 @@ class _Step:
                 grad_fn.register_prehook(lambda grad_outputs, g=g: self._fetch(self.fetch_at[g]))
         self._fetch(self.fetch_at.get(-1, ()))
         needed = {self.stage_of[g] for g, count in self.tokens_left.items() if count}
+        if needed - self.held_for:  # the trace's saved tensors, seen on meta, are not this device's
+            names = sorted(self.traced.graph.names[g] for g, count in self.tokens_left.items()
+                           if count and self.stage_of[g] not in self.held_for)
+            raise RuntimeError(f"executor bug: a backward saved what {names} compute, which no backward saved "
+                               "when traced on meta; the plan let go of what would recompute them")
         for g in list(self.cache_stages):
             self.cache_stages[g] &= needed
             self._release_cache(g)
@@ -294,7 +307,7 @@ class _Step:
                     saved.swapped.tokens += 1
                     saved.tensor = None
                     continue
-            elif g == -1 and group in self.discarded and id(storage) not in self.static:
+            elif g == -1 and group in self.discarded and id(storage) not in self.static and storage.nbytes():
                 saved.group, saved.extra = group, (node_name, rank)
                 self.extra_nodes.add(node_name)
                 self.extra_keys.add(saved.extra)

@@ -157,6 +157,7 @@ import dataclasses
 import functools
 import operator
 import random
+import re
 import sys
 import traceback
 import weakref
@@ -669,12 +670,18 @@ def _fx_trace(model: torch.nn.Module, proxy_buffers: bool) -> fx.GraphModule:
     return gm
 
 
-# What fx's errors mean in the model's own terms.
+# What fx's errors mean in the model's own terms (a pattern of the error's text; the construct, and the way
+# out where there is a usual one).
 _CONSTRUCTS = [
     ("cannot be used as inputs to control flow", "data-dependent control flow (if, while, assert or bool() on a "
                                                  "tensor's value)"),
     ("cannot be iterated", "iteration over a traced value (unpacking, a for loop, *args)"),
     ("'len' is not supported", "len() of a traced value"),
+    ("does not support item assignment", "item assignment to a traced value (x[i] = y; write it out of place: "
+                                         "torch.where, torch.cat or x.index_put)"),
+    (r"^(zeros|ones|empty|full|rand|randn|randint|arange)\(\) (takes|received)",
+     "a tensor made from a traced shape (torch.zeros(x.shape[0], n); make it from the traced value instead: "
+     "x.new_zeros((x.shape[0], n)), torch.zeros_like)"),
 ]
 
 
@@ -707,10 +714,9 @@ def _why_untraceable(model: torch.nn.Module, error: Exception) -> str:
             module = f"module {paths[id(owner)] or '(the model itself)'!r} ({type(owner).__name__})"
         where = f" at {summary.filename}:{summary.lineno}" + (f" ({summary.line})" if summary.line else "")
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    construct = next((what for key, what in _CONSTRUCTS if key in text), f"{type(error).__name__}: {text}")
+    construct = next((what for key, what in _CONSTRUCTS if re.search(key, text)), f"{type(error).__name__}: {text}")
     return (f"torch.fx cannot trace {type(model).__name__}: {construct}, in {module or 'the model'}{where}. Make "
-            "that code traceable (no Python control flow on tensor values), or wrap the module in a "
-            "traceable one that leaves that call out")
+            "that code traceable, or wrap the module in a traceable one that leaves that call out")
 
 
 def written_state(module: torch.nn.Module, node: fx.Node, args, kwargs, buffer_ids: set[int],

@@ -266,9 +266,8 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
             readers[copy(u, v)].append(v)
     for u in graph.loss_reads:
         readers[u].append(-1)  # the loss's backward, at the turn
-    # A stage is recomputed only when some backward reads one of its discarded values or extras.
-    needed = {stage_of[u] for u in members(discarded | rebuilt)
-              if readers[u] or readers[u + n] or graph.saved_extra_bytes[u]}
+    needed = called_for(graph, plan) | {stage_of[u] for u in members(rebuilt)
+                                        if readers[u] or readers[u + n] or graph.saved_extra_bytes[u]}
     # The recomputed stages that read each kept value (not those that rebuild it).
     recompute_stages = [{stage_of[w] for w in graph.succs[u] if (discarded | rebuilt) >> w & 1 and copy(u, w) == u}
                         & needed if kept >> u & 1 else set() for u in range(n)] + [set() for _ in range(n)]
@@ -278,11 +277,28 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
     # A recomputed layer that may write state keeps a copy of the state as its forward found it, to its
     # recomputation or, where its stage is not recomputed, to the end of the forward pass.
     found = {v for v in members(discarded & ~in_checkpoint) if graph.recompute_state_bytes[v]}
+    # The executor holds the kept values an output's stage starts from to the end of the forward pass: only
+    # the loss's saves tell whether its backward reads an output (a step may run another loss than the trace).
+    ends = {stage_of[v] for v in graph.outputs} - needed
+    to_loss = {u for u in members(kept) if not recompute_stages[u]
+               and any(stage_of[w] in ends and (discarded & ~in_checkpoint) >> w & 1 for w in graph.succs[u])}
     steps = _forward(graph, order, kept, kept & ~in_checkpoint, plan.swapped, readers, recompute_stages,
-                     found, sorted(v for v in found if stage_of[v] not in needed))
+                     found, sorted(v for v in found if stage_of[v] not in needed), to_loss)
     steps += _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages, rebuilt, in_checkpoint,
                        copy, _frame_holds(graph, plan, stage_of))
     return steps
+
+
+def called_for(graph: Graph, plan: Plan) -> set[int]:
+    """The stages whose recomputation some backward calls for: a backward (the loss's too) reads one of
+    their discarded values, or a discarded layer saved a tensor that is not one (an extra, or what its
+    module keeps). The executor recomputes no other stage, and holds no kept value for one (``timeline``
+    adds the checkpointed stages' rebuilt values). A layer's empty extras (an eval-mode batch norm's saved
+    statistics on the CPU) call for nothing: the executor leaves them saved."""
+    read = {u for reads in graph.backward_reads for u in reads} | set(graph.loss_reads)
+    stage_of = plan.stage_of(len(graph))
+    return {stage_of[u] for u in members(plan.recomputed)
+            if u in read or graph.saved_extra_bytes[u] or graph.attribute_bytes[u]}
 
 
 def _frame_holds(graph: Graph, plan: Plan, stage_of: list[int]) -> dict[int, list[int]]:
@@ -329,14 +345,15 @@ def _key(u: int, n: int) -> tuple:
     return ("value", u) if u < n else ("copy", u - n)
 
 
-def _forward(graph, order, kept, saves, swapped, readers, recompute_stages, found, unread) -> list[Step]:
+def _forward(graph, order, kept, saves, swapped, readers, recompute_stages, found, unread, to_loss) -> list[Step]:
     """``saves``: the kept nodes whose layers keep what they save (not those of a checkpointed stage);
     ``found``: the nodes that keep a copy of the state their call found, ``unread`` those of them whose
-    stage is not recomputed."""
+    stage is not recomputed; ``to_loss``: kept values held through the loss's forward."""
     def held(u):  # on the device into the backward pass
         return kept >> u & 1 and not swapped >> u & 1 and (readers[u] or recompute_stages[u])
 
     outputs = set(graph.outputs)
+    last = outputs | to_loss  # go at the loss's forward
     uses_left = [len(s) for s in graph.succs]
     steps = []
     for v in order:
@@ -351,7 +368,7 @@ def _forward(graph, order, kept, saves, swapped, readers, recompute_stages, foun
         _transient(graph, v, allocs, frees, first=True)
         for u in graph.preds[v]:
             uses_left[u] -= 1
-            if uses_left[u] == 0 and not held(u) and u not in outputs:
+            if uses_left[u] == 0 and not held(u) and u not in last:
                 frees.append(("value", u))
         if not graph.succs[v] and not held(v) and v not in outputs:  # read by nothing at all
             frees.append(("value", v))
@@ -359,7 +376,7 @@ def _forward(graph, order, kept, saves, swapped, readers, recompute_stages, foun
     # The loss's forward: the model returned its outputs, so all of them are here. Then they go, unless a
     # backward reads them (the loss's own among them: ``readers``).
     loss = [(("loss_forward", -1), graph.loss_forward_bytes)] if graph.loss_forward_bytes else []
-    frees = [("value", v) for v in sorted(outputs) if not held(v)] + [("state", v) for v in unread]
+    frees = [("value", v) for v in sorted(last) if not held(v)] + [("state", v) for v in unread]
     steps.append(Step(-1, "forward", tuple(loss), tuple(frees + [key for key, _ in loss])))
     return steps
 
@@ -407,9 +424,13 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
             for w in nodes:
                 extras_present[w % n] = bool(graph.saved_extra_bytes[w % n])
 
-    # The loss's backward reads the outputs it saved; one the plan discarded comes back with its stage.
-    recompute({stage_of[u] for u in graph.loss_reads if not present[u]})
-    turn = _turn(graph, gradients, fetched)
+    # The loss's backward reads the outputs it saved; one the plan discarded comes back with its stage, on
+    # top of the loss's value and the seed gradient ``backward`` made first.
+    read_back = {stage_of[u] for u in graph.loss_reads if not present[u]}
+    if read_back and graph.loss_held_bytes:
+        steps.append(Step(-1, "backward", ((("loss_held", -1), graph.loss_held_bytes),), ()))
+    recompute(read_back)
+    turn = _turn(graph, gradients, fetched, loss_held=not (read_back and graph.loss_held_bytes))
     frees = list(turn.frees)
     for u in graph.loss_reads:
         readers_left[u] -= 1
@@ -737,14 +758,15 @@ def _transient(graph: Graph, v: int, allocs: list, frees: list, first: bool):
             frees.append(key)
 
 
-def _turn(graph: Graph, gradients: "_Gradients", fetched=()) -> Step:
+def _turn(graph: Graph, gradients: "_Gradients", fetched=(), loss_held: bool = True) -> Step:
     """From forward to backward: the swapped values fetched at once, the loss's buffers and the loss's
-    gradients with respect to the outputs come; the loss's working buffers go, its value stays."""
+    gradients with respect to the outputs come; the loss's working buffers go, its value stays
+    (``loss_held``: it comes here, not before)."""
     for v in graph.outputs:
         gradients.hold(v, ("grad", v), graph.loss_grad_bytes[v])
     allocs = [*fetched, *((("grad", v), graph.loss_grad_bytes[v]) for v in graph.outputs)]
     allocs += [(("loss", -1), graph.loss_bytes)] if graph.loss_bytes else []
-    allocs += [(("loss_held", -1), graph.loss_held_bytes)] if graph.loss_held_bytes else []  # to the step's end
+    allocs += [(("loss_held", -1), graph.loss_held_bytes)] if graph.loss_held_bytes and loss_held else []
     return Step(-1, "backward", tuple(allocs), (("loss", -1),) if graph.loss_bytes else ())
 
 

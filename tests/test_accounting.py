@@ -4,6 +4,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
@@ -357,6 +358,39 @@ def test_a_residual_addition_hands_its_gradient_to_both_branches():
 def resnet50_at(batch: int):
     model, x, loss_fn = nets.build("resnet50", batch, 224, device="meta")
     return model, x, loss_fn, trace(model, x, loss_fn=loss_fn)
+
+
+class ShuffleDecoder(nn.Module):
+    """Up by a pixel shuffle, down by interpolation: neither layer's backward reads a value."""
+
+    def __init__(self):
+        super().__init__()
+        self.expand = nn.Conv2d(4, 32, 3, padding=1)
+        self.shuffle = nn.PixelShuffle(2)
+        self.out = nn.Conv2d(8, 3, 1)
+
+    def forward(self, x):
+        return self.out(F.interpolate(self.shuffle(self.expand(x)), scale_factor=0.5, mode="bilinear"))
+
+
+@pytest.mark.parametrize("loss_fn", [lambda out: out.square().sum(), lambda out: out.sum()], ids=["square", "sum"])
+def test_a_kept_value_is_held_while_a_recomputation_may_call_for_it(loss_fn):
+    # The shuffle's stage is never recomputed, as no backward reads its values (``called_for``); the
+    # executor held the kept expansion for it all through the forward pass, and its peak, at the
+    # interpolation, was above the replay's (chen_greedy on such a decoder: 4.2%). An output's stage is
+    # held to the end of the forward pass, where the loss's saves tell whether it is (``to_loss``: 10%
+    # below with the sum), and when the loss's backward calls for it, the loss and its seed are there.
+    model, x = ShuffleDecoder().to("meta"), torch.randn(2, 4, 16, 16, device="meta")
+    traced = trace(model, x, loss_fn=loss_fn)
+    graph = traced.graph
+    expand, shuffle, interpolate, out = map(graph.names.index, ("expand", "shuffle", "interpolate", "out"))
+    middle = (1 << shuffle) | (1 << interpolate)
+    for plan in (strategies.Plan.from_stages(graph, [1 << expand, middle, 1 << out],
+                                             kept=graph.all_nodes & ~(1 << shuffle)),
+                 strategies.Plan.from_stages(graph, [1 << expand, graph.all_nodes & ~(1 << expand)],
+                                             kept=(1 << expand) | (1 << interpolate))):
+        measured, predicted = measured_and_predicted(model, x, loss_fn, traced, plan)
+        assert measured == predicted, plan.stages
 
 
 @pytest.mark.parametrize("name", ["chen_sqrt", "chen_greedy"])

@@ -397,6 +397,49 @@ def test_custom_autograd_functions_run_their_own_backward():
         assert difference.exact, (plan.stages, difference)
 
 
+class SavesEmpty(torch.autograd.Function):
+    """Doubles, and saves an empty tensor (as an eval-mode batch norm on the CPU saves its statistics)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x.new_empty(0))
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (empty,) = ctx.saved_tensors
+        return 2 * grad + empty.sum()
+
+
+class EmptyExtras(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.relu(SavesEmpty.apply(h) + h))  # no backward reads the doubled value
+
+
+def test_a_layer_that_saves_only_empty_tensors_calls_for_no_recomputation():
+    # A stage is recomputed only where a backward reads its values or extras (``called_for``), and its kept
+    # inputs are let go otherwise; the executor leaves an empty saved tensor as it is, where making it a
+    # token to recompute called for a stage whose inputs were gone.
+    torch.manual_seed(0)
+    model, x = EmptyExtras(), torch.randn(4, 8)
+    traced = trace(model, x)
+    graph = traced.graph
+    doubled = graph.names.index("saves_empty_apply")
+    assert graph.saved_extra_bytes[doubled] == 0 and all(doubled not in reads for reads in graph.backward_reads)
+    add = graph.succs[doubled][0]
+    stages = [strategies.bits([v]) for v in range(len(graph)) if v != doubled]
+    stages[stages.index(1 << add)] |= 1 << doubled
+    plan = strategies.Plan.from_stages(graph, stages, kept=graph.all_nodes & ~(1 << doubled))
+    loss_fn = lambda out: out.square().sum()  # noqa: E731
+    difference = compare(model, x, loss_fn, lambda: execute(traced, plan, x, loss_fn=loss_fn))
+    assert difference.exact, difference
+
+
 class OwnCheckpoints(nn.Module):
     """Blocks the model checkpoints itself, as timm's and Hugging Face's gradient checkpointing do."""
 
@@ -490,14 +533,27 @@ def test_a_buffer_read_before_a_write_is_read_as_it_was_and_an_inputs_write_is_r
         trace(WritesItsInput(), torch.randn(2, 4))
 
 
-def test_data_dependent_control_flow_names_the_module_and_the_construct():
+def test_an_untraceable_construct_is_named_with_its_module_and_the_usual_way_out():
     class Gate(nn.Module):
         def forward(self, x):
             return x * 2 if x.sum() > 0 else x
 
+    class Masked(nn.Module):
+        def forward(self, x):
+            x[:, 0] = 0
+            return x
+
+    class Pooled(nn.Module):
+        def forward(self, x):
+            return torch.zeros(x.shape[0], 4).index_add(1, torch.tensor([0, 0, 1, 2]), x)
+
     model = nn.Sequential(nn.Linear(4, 4), Gate())
     with pytest.raises(TraceFailure, match=r"data-dependent control flow.*module '1' \(Gate\).*x\.sum\(\) > 0"):
         trace(model, torch.randn(2, 4))
+    with pytest.raises(TraceFailure, match=r"item assignment .*torch\.where.*module '1' \(Masked\).*x\[:, 0\] = 0"):
+        trace(nn.Sequential(nn.Linear(4, 4), Masked()), torch.randn(2, 4))
+    with pytest.raises(TraceFailure, match=r"made from a traced shape .*new_zeros.*module '1' \(Pooled\)"):
+        trace(nn.Sequential(nn.Linear(4, 4), Pooled()), torch.randn(2, 4))
 
 
 class LayerDrop(nn.Module):

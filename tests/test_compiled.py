@@ -122,7 +122,7 @@ def test_a_compiled_step_is_compiled():
     assert counters["stats"]["unique_graphs"] == compiled
 
 
-@pytest.mark.parametrize("net", nets.PAPER_NETS)
+@pytest.mark.parametrize("net", [net for net in nets.PAPER_NETS if net != "resnet152"])  # ResNet-50's blocks, more
 def test_compiled_plans_hold_what_the_eager_plan_holds(net):
     """On meta (the AOT replay), a compiled recomputing plan holds at most 3% more than the eager executor
     does (the compiler may hold less: it also recomputes cheap ops of kept nodes), and where the eager plan
