@@ -85,7 +85,7 @@ draw whose value steers Python control flow (``if torch.rand(1) < p``) now fails
 control flow, where fx kept one branch. A draw from Python's ``random`` or NumPy's global generator (an
 older LayerDrop's ``if random.random() < p: continue``) is no torch op, and its branch too was kept for
 every step: a module call that moves either generator while fx traces is refused, naming the module
-(``_HOST_DRAWS``).
+(``_host_rng_state``).
 
 NOTE [state the forward writes]
 fx proxies parameters but not buffers: ``self.steps.add_(1)`` runs on the real buffer while fx traces and
