@@ -809,7 +809,16 @@ class _Probe(fx.Interpreter):
         draws = _Draws()
         self.node_inputs[node.name] = inputs  # which buffers a later node writes is known at the end
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, draws, grad_mode(node):
-            result = super().run_node(node)
+            try:
+                result = super().run_node(node)
+            except (RuntimeError, NotImplementedError) as error:
+                if "meta tensor" not in str(error):
+                    raise
+                raise TraceFailure(
+                    f"{_describe(node, self.module)} reads a tensor's value in Python (.item(), float(), int(), "
+                    ".tolist()); the trace sizes every value on meta, which holds none (a BatchNorm with "
+                    "momentum=None divides by its num_batches_tracked: give it a momentum); keep such a value a "
+                    "tensor") from error
         if draws.seen:
             self.random_nodes.add(node.name)
         wrote = any(t._version != v for t, v in zip(inputs, versions) if id(_storage(t)) not in self.static)

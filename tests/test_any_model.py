@@ -554,6 +554,9 @@ def test_an_untraceable_construct_is_named_with_its_module_and_the_usual_way_out
         trace(nn.Sequential(nn.Linear(4, 4), Masked()), torch.randn(2, 4))
     with pytest.raises(TraceFailure, match=r"made from a traced shape .*new_zeros.*module '1' \(Pooled\)"):
         trace(nn.Sequential(nn.Linear(4, 4), Pooled()), torch.randn(2, 4))
+    # Traced, but a value read in Python (a cumulative BatchNorm's float(num_batches_tracked)) has no value on meta.
+    with pytest.raises(TraceFailure, match=r"BatchNorm2d \(.*'1'\) reads a tensor's value in Python.*momentum"):
+        trace(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, momentum=None)), torch.randn(2, 3, 4, 4))
 
 
 class LayerDrop(nn.Module):
