@@ -98,10 +98,11 @@ def execute(traced: Traced, plan: Plan, *inputs: torch.Tensor, loss_fn=None) -> 
         # cycle through C++ that the collector cannot see, broken only by a backward that completes. A step
         # that fails (a CUDA OOM) would keep its whole graph alive, and the next run would start on a
         # full device; drop what the hooks hold instead.
-        for saved in list(step.packed):
-            saved.tensor = saved.swapped = None
-        step.cache.clear()
+        step.drop_packed()
         raise
+    # The same cycle holds what no backward reached (the layers of an output the loss leaves out, an
+    # auxiliary head's): each step kept it.
+    step.drop_packed()
     return loss.detach()
 
 
@@ -283,6 +284,11 @@ class _Step:
                 del self.state_before[name]
 
     # -- saved tensors --------------------------------------------------------------------------------
+
+    def drop_packed(self):
+        for saved in list(self.packed):
+            saved.tensor = saved.swapped = None
+        self.cache.clear()
 
     def pack(self, tensor: torch.Tensor) -> _Saved:
         saved = _Saved(tensor)

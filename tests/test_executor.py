@@ -170,6 +170,40 @@ def test_a_failed_step_leaves_nothing_alive(strategy):
     assert outputs and all(ref() is None for ref in outputs)
 
 
+class TwoHeads(nn.Module):
+    """A main head, and an auxiliary one the loss leaves out (an Inception's auxiliary logits at weight 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.main = nn.Linear(16, 64), nn.Linear(64, 8)
+        self.aux = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+
+    def forward(self, x):
+        h = torch.relu(self.trunk(x))
+        return self.main(h), self.aux(h)
+
+
+@pytest.mark.parametrize("strategy", ["vanilla", "chen_sqrt"])
+def test_what_no_backward_reached_goes_with_the_step(strategy):
+    """The aux head's ReLU saves its output, which the hook's token holds: a cycle through C++ that only a
+    backward breaks, and no backward reaches that head. Each step kept it, a leak a timed run adds up."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model, x = TwoHeads(), torch.randn(32, 16)
+    loss_fn = lambda out: out[0].square().mean()  # noqa: E731
+    traced = trace(model, x, loss_fn=loss_fn)
+    plan = strategies.solve(strategy, traced.graph)
+    outputs = []
+    hook = model.aux[1].register_forward_hook(lambda module, args, out: outputs.append(weakref.ref(out)))
+    for _ in range(2):
+        execute(traced, plan, x, loss_fn=loss_fn)
+    hook.remove()
+    gc.collect()
+    assert outputs and all(ref() is None for ref in outputs)
+
+
 def test_a_recomputation_holds_only_what_the_backward_reads():
     """A recomputed value no backward reads (ResNet's downsampling branch, read only by an addition) goes
     after its last use in the stage, as the simulator frees it, not at the stage's end; a recomputed
