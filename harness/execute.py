@@ -91,6 +91,7 @@ def execute(traced: Traced, plan: Plan, *inputs: torch.Tensor, loss_fn=None) -> 
             output = step.forward(inputs)
             loss = loss_fn(output)
             del output
+            step.drop_unreached()
             step.end_forward()
             loss.backward()
     except BaseException:
@@ -166,6 +167,8 @@ class _Step:
         self.order = self._stage_order()  # the forward's, and each recomputation's within its stage
         self.swapped = set(members(self.plan.swapped))
         self.packed: weakref.WeakSet[_Saved] = weakref.WeakSet()  # what the graph still holds, to drop on failure
+        self.unreached = set(graph.unreached)
+        self.unreached_saves: list[_Saved] = []  # what their layers saved, until the loss
         self.fetch_at: dict[int, list[int]] = {}  # trigger node (-1: end of forward) -> swapped groups
         for g, trigger in self.plan.prefetch:
             self.fetch_at.setdefault(trigger, []).append(g)
@@ -204,6 +207,9 @@ class _Step:
             value = self._run(node, self._load(node.args), self._load(node.kwargs), recompute=False)
             self._store(node, value)
             self._free_inputs(node)
+            if not self.reads_left.get(node.name):  # dead code (a stray ``zeros_like``): its value goes now
+                self.env.pop(node.name, None)
+            del value
 
     def _stage_order(self) -> list[fx.Node]:
         """The fx nodes stage by stage (V_1 first), in program order within a stage: a topological order in
@@ -290,6 +296,23 @@ class _Step:
             saved.tensor = saved.swapped = None
         self.cache.clear()
 
+    def drop_unreached(self):
+        """Let go of what the layers no gradient reaches saved, at the loss, where plain PyTorch lets go of
+        their autograd graph with the outputs (NOTE [what no gradient reaches] in ``harness/trace.py``): a
+        tensor held here would live to the step's end, and a token would hold a stage's kept values."""
+        for saved in self.unreached_saves:
+            if saved.swapped is not None:
+                saved.swapped.tokens -= 1
+            elif saved.group >= 0:
+                self.tokens_left[saved.group] -= 1
+                if saved.extra is None:
+                    self.value_tokens[saved.group] -= 1
+                else:
+                    self.extra_keys.discard(saved.extra)
+                    self.extra_nodes.discard(saved.extra[0])
+            saved.tensor, saved.swapped, saved.group = None, None, -1
+        self.unreached_saves.clear()
+
     def pack(self, tensor: torch.Tensor) -> _Saved:
         saved = _Saved(tensor)
         self.pending.append(saved)
@@ -301,6 +324,8 @@ class _Step:
         value, or anything else a recomputed node's layer saved (pooling indices), which the
         recomputation saves again (NOTE [executing a plan])."""
         group = self.traced.group_of.get(node_name) if node_name else None
+        if group in self.unreached:
+            self.unreached_saves += self.pending
         for rank, saved in enumerate(self.pending):
             storage = saved.tensor.untyped_storage()
             entry = self.storage_group.get(id(storage))
@@ -328,6 +353,10 @@ class _Step:
     def unpack(self, saved: _Saved) -> torch.Tensor:
         if saved.tensor is not None:
             return saved.tensor
+        if saved.swapped is None and saved.group < 0:
+            raise RuntimeError("a backward reads what a layer saved that no gradient reached when the model was "
+                               "traced: the step's loss uses an output the traced loss left out; trace with the "
+                               "loss the step runs (trace(..., loss_fn=...))")
         if saved.swapped is not None:
             return self._swapped_in(saved)
         g = saved.group

@@ -121,7 +121,9 @@ model. So the trace runs the loss (and its backward) on meta, on the model's out
   out, a class-token model's step was predicted 5% low);
 - what the backward holds at its peak besides those gradients (``loss_bytes``: a cross entropy's
   log-softmax and its gradient), and what stays to the step's end (``loss_held_bytes``: the loss's value
-  and the seed, which ``loss.backward()`` holds until it returns).
+  and the seed, which ``loss.backward()`` holds until it returns), and what it holds when it first unpacks
+  an output (``loss_unpack_bytes``: a mean's backward has made its gradient before a square's unpacks
+  its input), on top of which a recomputation of that output's stage runs (left out, 4% low).
 Seed 004's model, every sink an output handed a gradient its own size and nothing read, missed a small
 head's vanilla step by +14% under a sum and by -19% and -31% under squared errors
 (``tests/test_accounting.py``).
@@ -147,6 +149,22 @@ replay makes the gradient at whichever of them its backward reaches first. Count
 block applied four times had its gradients counted four times (+48% on its step's peak, a Siamese
 encoder's twice, +21%); counted for modules only, a bare parameter's gradient was left out (-1% on a
 LoRA model under ``chen_sqrt``, whose low-rank factors are bare parameters).
+Only a backward that runs makes gradients: a parameter that only unreached layers read (NOTE [what no
+gradient reaches]) gets none and is not counted.
+
+NOTE [what no gradient reaches]
+Not every layer's backward runs. An output the loss leaves out (an auxiliary classifier, torchvision's
+``aux`` segmentation head, a pooler beside a language model's logits) gets no gradient, nor does any
+layer only it reads; a value made from the input alone (a mask, positions from ``torch.arange``) takes
+none either. The trace's backward on meta notes which IR nodes' autograd nodes ran (``_gradients``); the
+others are ``Graph.unreached``. Their layers make no gradients, and what they saved is let go with the
+outputs at the loss's forward, as in plain PyTorch, where their autograd graph dies with the output: the
+executor drops their saved tensors there (the hooks' tokens would hold them to the step's end, each
+output's own grad_fn in a cycle with it), and the replay frees them there. A value nothing reads (dead
+code, a stray ``zeros_like``) goes as soon as it is made. Replayed as if their backward ran (gradients of
+an auxiliary head's parameters and of its input, what it saved held into the backward pass), and run with
+what it saved held to the step's end, an auxiliary head's step was predicted from 10% low (vanilla) to
+15% high (``chen_greedy``; ``tests/test_accounting.py``).
 """
 
 from __future__ import annotations
@@ -220,10 +238,10 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
                     node.target = _AUGMENTED.get(node.target, node.target)
             gm.recompile()
         loss_fn = loss_fn or sum_loss  # the executor's default
-        shares, work, early = _gradients(probe, output, loss_fn)
+        shares, work, early, ran = _gradients(probe, output, loss_fn)
         peaks, frees, transients, unpacks = _backward_peaks(meta_module, probe.group_of, probe.view_names,
                                                             example_input, loss_fn)
-        traced = probe.result(gm, shares, work, peaks, early, frees, transients, unpacks)
+        traced = probe.result(gm, shares, work, peaks, early, frees, transients, unpacks, ran)
 
         def node_of(t: torch.Tensor) -> int | None:
             g = probe._group(_storage(t))
@@ -233,15 +251,17 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
     return dataclasses.replace(traced, graph=traced.graph.replace(**loss))
 
 
-def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict, dict]:
+def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict, dict, set[int] | None]:
     """What each IR node's backward hands its predecessors (``Graph.grad_shares``), the gradients it
-    works with on the way (``Graph.backward_work_bytes``) and the predecessors its in-place members hand a
-    gradient (``Graph.early_grads``), seen in a backward pass on meta: per autograd node of the node's
-    layer, the gradients it reads and makes, compared by storage with the gradient the layer received and
-    with those it passes to another IR node's autograd nodes."""
+    works with on the way (``Graph.backward_work_bytes``), the predecessors its in-place members hand a
+    gradient (``Graph.early_grads``) and the IR nodes whose backward ran at all (NOTE [what no gradient
+    reaches]; None: the outputs take no gradient), seen in a backward pass on meta: per autograd node of
+    the node's layer, the gradients it reads and makes, compared by storage with the gradient the layer
+    received and with those it passes to another IR node's autograd nodes."""
     leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     if not leaves:
-        return {}, {}, {}
+        return {}, {}, {}, None
+    ran: set[int] = set()
     received: dict[int, set[int]] = {}  # probe group -> storages of the gradient its backward started from
     handed: list[tuple[int, int, object, int]] = []  # (group, predecessor group, its autograd node, storage)
     early: dict[int, set[int]] = {}  # group -> predecessor groups its in-place members hand a gradient
@@ -252,6 +272,7 @@ def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict, dict]:
 
     def post_hook(fn, g):
         def hook(grad_inputs, grad_outputs):
+            ran.add(g)
             held.extend(t for t in (*grad_inputs, *grad_outputs) if t is not None)
             for t in (*grad_inputs, *grad_outputs):
                 if t is not None:
@@ -305,7 +326,7 @@ def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict, dict]:
                 by_storage.setdefault(next(iter(storages)), []).append(h)
         shares[g] = [(preds, -1 if key in received.get(g, ()) else sizes[key])
                      for key, preds in by_storage.items() if key in received.get(g, ()) or len(preds) > 1]
-    return shares, work, early
+    return shares, work, early, ran
 
 
 def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set[str], example_input: torch.Tensor,
@@ -431,15 +452,22 @@ def _loss_fields(output, loss_fn, node_of, n: int) -> dict:
         return t
 
     saved = set()
+    unpacked = []  # what is live when the backward first unpacks an output
 
     def pack(t):
         saved.add(id(_storage(t)))
         return t
 
+    def unpack(t):
+        if not unpacked and id(_storage(t)) in output_storages:
+            unpacked.append(sum(tracker.current[part] for part in DEVICE_PARTS))
+        return t
+
     output = tree_map(leaf, output)
+    output_storages = {id(_storage(t)) for t in leaves}
     output_bytes = sum(t.untyped_storage().nbytes() for t in {id(_storage(t)): t for t in leaves}.values())
     with torch.enable_grad(), MemoryTracker(torch.nn.Module(), tuple(leaves)) as tracker:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             loss = loss_fn(output)
         del output
         forward = tracker.peak_bytes
@@ -465,7 +493,8 @@ def _loss_fields(output, loss_fn, node_of, n: int) -> dict:
             reads.add(v)
     held = max(0, ends - output_bytes - made)  # the loss's value and the seed, to the step's end
     fields = dict(loss_forward_bytes=max(0, forward - output_bytes), loss_held_bytes=held,
-                  loss_bytes=max(0, tracker.peak_bytes - output_bytes - made - held))
+                  loss_bytes=max(0, tracker.peak_bytes - output_bytes - made - held),
+                  loss_unpack_bytes=max(0, unpacked[0] - output_bytes) if unpacked else 0)
     outputs = sorted({v for t in leaves if (v := node_of(t)) is not None})
     if not outputs:  # the model returns no IR node's value: seed 004's sinks stand in, at full size
         return fields
@@ -945,7 +974,7 @@ class _Probe(fx.Interpreter):
 
     def result(self, gm: fx.GraphModule, shares: dict | None = None, work: dict | None = None,
                peaks: dict | None = None, early: dict | None = None, frees: dict | None = None,
-               transients: dict | None = None, unpacks: dict | None = None) -> Traced:
+               transients: dict | None = None, unpacks: dict | None = None, ran: set[int] | None = None) -> Traced:
         # The probe may run a meta copy of gm: match nodes by name.
         position = {node.name: i for i, node in enumerate(gm.graph.nodes)}
         order = sorted(range(len(self.groups)), key=lambda g: position[self.groups[g]["final"].name])
@@ -961,8 +990,9 @@ class _Probe(fx.Interpreter):
         groups = [self.groups[g] for g in order]
         param_bytes, sharers = [0] * len(groups), [set() for _ in groups]  # NOTE [parameter gradients]
         readers_of: dict[int, set[int]] = {}
+        reached = set(range(len(self.groups))) if ran is None else ran  # NOTE [what no gradient reaches]
         for g, group in enumerate(self.groups):
-            for key in group["params"]:
+            for key in group["params"] if g in reached else ():
                 readers_of.setdefault(key, set()).add(rank[g])
         for key, readers in readers_of.items():
             owner = max(readers)
@@ -994,6 +1024,7 @@ class _Probe(fx.Interpreter):
             unpack_held_bytes=None if unpacks is None else [
                 [(rank[h], held) for h, held in unpacks.get(g, {}).items() if h in rank] for g in order],
             early_grads=[sorted(rank[h] for h in (early or {}).get(g, ()) if (rank[h], rank[g]) in edges) for g in order],
+            unreached=[rank[g] for g in order if g not in reached],
         )
         members = tuple(tuple(node.name for node in g["members"]) for g in groups)
         group_of = {name: i for i, names in enumerate(members) for name in names}

@@ -83,6 +83,9 @@ class Graph:
     peak, besides the outputs, their gradients and what stays (a language model's log-softmax over
     the vocabulary), measured when the graph was traced with its loss; zero otherwise. ``loss_held_bytes``
     is what stays to the end of the step (the loss's value and the backward's seed).
+    ``loss_unpack_bytes`` is what the loss's backward holds beside the outputs when it first unpacks one it
+    saved (the loss's value, the seed, and the gradient a mean's backward made before a square's unpacks
+    its input): a recomputation of that output's stage runs on top of it.
     ``loss_forward_bytes`` is what the loss's forward holds at its peak besides the outputs (a log-softmax
     over the vocabulary before the loss reduces it). ``outputs`` are the nodes whose values the model
     returns (None, the default: every sink, as seed 004 has it); they stay until the loss has read them.
@@ -127,6 +130,11 @@ class Graph:
     ``early_grads[v]`` are the predecessors whose gradient ``v``'s in-place members make, before the rest
     of its layer's backward runs (torchvision's ``out += identity`` after a batch norm: the addition hands
     the identity its gradient, then the batch norm's backward runs); empty on hand-written graphs.
+    ``unreached`` are the nodes no gradient reaches, whose layers' backward never runs: an auxiliary head
+    the loss leaves out, a mask made from the input. They get no gradient and hand none on, their
+    parameters get none, and what their layers saved (``backward_reads``, ``saved_extra_bytes``) goes at the
+    loss's forward, with the outputs (NOTE [what no gradient reaches] in ``harness/trace.py``); measured
+    when the graph was traced with its loss, empty on hand-written graphs.
     """
 
     mem_bytes: tuple[int, ...]
@@ -142,6 +150,7 @@ class Graph:
     flops: tuple[float, ...] | None = None
     loss_bytes: int = 0
     loss_held_bytes: int = 0
+    loss_unpack_bytes: int = 0
     grad_shares: tuple[tuple[tuple[tuple[int, ...], int], ...], ...] | None = None
     backward_work_bytes: tuple[int, ...] | None = None
     recompute_state_bytes: tuple[int, ...] | None = None
@@ -155,6 +164,8 @@ class Graph:
     forward_transient_bytes: tuple[int, ...] | None = None
     unpack_held_bytes: tuple[tuple[tuple[int, int], ...], ...] | None = None
     attribute_bytes: tuple[int, ...] | None = None
+    unreached: tuple[int, ...] = ()
+    reached: tuple[bool, ...] = field(init=False, repr=False, compare=False)  # not unreached, per node
     preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     pred_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -168,7 +179,7 @@ class Graph:
                  backward_work_bytes=None, loss_held_bytes=0, recompute_state_bytes=None, backward_peak_bytes=None,
                  early_grads=None, loss_forward_bytes=0, outputs=None, loss_grad_bytes=None, loss_reads=(),
                  backward_frees=None, forward_transient_bytes=None, param_sharers=None, unpack_held_bytes=None,
-                 attribute_bytes=None):
+                 attribute_bytes=None, unreached=(), loss_unpack_bytes=0):
         n = len(mem_bytes)
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
         put("mem_bytes", tuple(int(m) for m in mem_bytes))
@@ -207,6 +218,7 @@ class Graph:
         put("flops", tuple(float(f) for f in flops) if flops is not None else self.cost)
         put("loss_bytes", int(loss_bytes))
         put("loss_held_bytes", int(loss_held_bytes))
+        put("loss_unpack_bytes", int(loss_unpack_bytes))
         shares = grad_shares if grad_shares is not None else [()] * n
         put("grad_shares", tuple(tuple((tuple(sorted(int(u) for u in preds)), int(size)) for preds, size in s)
                                  for s in shares))
@@ -231,10 +243,14 @@ class Graph:
         put("unpack_held_bytes", None if unpack_held_bytes is None else
             tuple(tuple((int(u), int(b)) for u, b in firsts) for firsts in unpack_held_bytes))
         put("attribute_bytes", tuple(int(b) for b in (attribute_bytes if attribute_bytes is not None else [0] * n)))
+        put("unreached", tuple(sorted({int(v) for v in unreached})))
+        unreached_set = set(self.unreached)
+        put("reached", tuple(v not in unreached_set for v in range(n)))
         _validate_backward(self)
-        if min(self.loss_bytes, self.loss_held_bytes, self.loss_forward_bytes) < 0:
-            raise ValueError(f"Graph: loss_bytes, loss_held_bytes and loss_forward_bytes must not be negative, got "
-                             f"{self.loss_bytes}, {self.loss_held_bytes} and {self.loss_forward_bytes}")
+        if min(self.loss_bytes, self.loss_held_bytes, self.loss_forward_bytes, self.loss_unpack_bytes) < 0:
+            raise ValueError(f"Graph: loss_bytes, loss_held_bytes, loss_forward_bytes and loss_unpack_bytes must "
+                             f"not be negative, got {self.loss_bytes}, {self.loss_held_bytes}, "
+                             f"{self.loss_forward_bytes} and {self.loss_unpack_bytes}")
 
     def __len__(self) -> int:
         return len(self.mem_bytes)
@@ -274,13 +290,18 @@ class Graph:
         """True when there is a path ``u -> ... -> v`` (or ``u == v``)."""
         return bool(self.ancestor_mask[v] >> u & 1)
 
+    def read_by_backward(self) -> set[int]:
+        """The nodes whose values a backward that runs reads (the loss's aside; ``unreached``)."""
+        return {u for v, reads in enumerate(self.backward_reads) if self.reached[v] for u in reads}
+
     def replace(self, **fields) -> Graph:
         """A copy with some fields changed (the constructor's arguments)."""
         names = ("mem_bytes", "cost", "edges", "names", "kinds", "backward_reads", "saved_extra_bytes",
                  "param_bytes", "scopes", "flops", "loss_bytes", "grad_shares",
                  "backward_work_bytes", "loss_held_bytes", "recompute_state_bytes", "backward_peak_bytes",
                  "early_grads", "loss_forward_bytes", "outputs", "loss_grad_bytes", "loss_reads", "backward_frees",
-                 "forward_transient_bytes", "param_sharers", "unpack_held_bytes", "attribute_bytes")
+                 "forward_transient_bytes", "param_sharers", "unpack_held_bytes", "attribute_bytes", "unreached",
+                 "loss_unpack_bytes")
         return Graph(**{name: fields.get(name, getattr(self, name)) for name in names})
 
     def mem(self, nodes: int) -> int:
@@ -331,6 +352,12 @@ def _validate_backward(graph: Graph) -> None:
             or len(graph.attribute_bytes) != n):
         raise ValueError("Graph: grad_shares, backward_work_bytes, recompute_state_bytes and attribute_bytes need "
                          "one entry per node")
+    if not all(0 <= v < n for v in graph.unreached):
+        raise ValueError(f"Graph: unreached {graph.unreached} must be nodes 0..{n - 1}")
+    for v in graph.unreached:
+        if graph.param_bytes[v] or any(v in sharers for sharers in graph.param_sharers):
+            raise ValueError(f"Graph: node {v} ({graph.names[v]}) is unreached but counts parameter gradients; "
+                             "only a backward that runs makes them")
     if graph.backward_peak_bytes is not None and len(graph.backward_peak_bytes) != n:
         raise ValueError("Graph: backward_peak_bytes needs one entry per node (or None: not measured)")
     if graph.backward_frees is not None and len(graph.backward_frees) != n:

@@ -47,7 +47,8 @@ def training_graph(graph: Graph, loss_reads_outputs: bool = True) -> TrainingGra
     cost = list(graph.cost) + [0.0] * n
     for v in range(n):
         b = backward_node(n, v)
-        deps[b] |= {backward_node(n, w) for w in graph.succs[v]} | set(graph.backward_reads[v])
+        reads = graph.backward_reads[v] if graph.reached[v] else ()  # an unreached backward reads nothing
+        deps[b] |= {backward_node(n, w) for w in graph.succs[v]} | set(reads)
         if not graph.succs[v] and loss_reads_outputs:
             deps[b].add(v)  # the loss reads the output
         mem[b] = sum(graph.mem_bytes[u] for u in graph.preds[v])
@@ -121,7 +122,7 @@ def from_plan(graph: Graph, plan: Plan, loss_reads_outputs: bool = True) -> tupl
     recomputed_stages: set[int] = set()
     for t in range(n, size):
         v = backward_node(n, t)  # its backward needs the record of a computation: a recomputed one's extras
-        needs = [*tg.deps[t], *([v] if graph.saved_extra_bytes[v] else [])]
+        needs = [*tg.deps[t], *([v] if graph.saved_extra_bytes[v] and graph.reached[v] else [])]
         for u in needs:
             if u < n and discarded >> u & 1 and stage_of[u] not in recomputed_stages:
                 recomputed_stages.add(stage_of[u])

@@ -37,8 +37,9 @@ PyTorch's reference-counted autograd does):
 - the loss (NOTE [the loss] in ``harness/trace.py``): its forward holds ``loss_forward_bytes`` beside
   the outputs, which then go unless a backward reads them; at the turn from forward to backward its
   backward makes the outputs' gradients (``loss_grad_bytes`` each: none for a sum's) while it holds
-  ``loss_bytes``, first recomputing the stage of an output it reads that the plan discarded; its value
-  and seed (``loss_held_bytes``) stay to the step's end;
+  ``loss_bytes``, first recomputing the stage of an output it reads that the plan discarded (on top of
+  what it holds when it unpacks that output, ``loss_unpack_bytes``); its value and seed
+  (``loss_held_bytes``) stay to the step's end;
 - backward, in the reverse of that order (the autograd engine's): the first backward of a stage that
   needs a discarded value recomputes all the discarded values of that stage, from the kept ones (a
   recomputed layer that may write state holds a copy of it, as its forward call found it, from that call
@@ -119,7 +120,10 @@ a backward node runs as ``_backward`` runs it (``_Gradients``; in-place members 
 value they read is here, before the stage's other recomputations). A gradient is computed once. On a
 stage plan written as a schedule (``schedule.from_plan``) whose stages follow node order, it gives the
 stage replay's peak to the byte (tests/test_accounting.py); Checkmate's own count misses it by -22% to
-+75% on the zoo.
++75% on the zoo. A layer no gradient reaches runs no backward; what it saved stays to the loss's forward
+where its record is its first computation, and its extras come and go with any other (NOTE [what no
+gradient reaches] in ``harness/trace.py``). A schedule cannot tell a value a stage plan discards but never
+recomputes from a kept one, and holds what such a layer saved of it: above the stage replay, never below.
 """
 
 from __future__ import annotations
@@ -262,7 +266,7 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
 
     readers = [[] for _ in range(2 * n)]  # the backwards that read each value (u + n: u's rebuilt copy)
     for v in range(n):
-        for u in graph.backward_reads[v]:
+        for u in graph.backward_reads[v] if graph.reached[v] else ():
             readers[copy(u, v)].append(v)
     for u in graph.loss_reads:
         readers[u].append(-1)  # the loss's backward, at the turn
@@ -282,6 +286,11 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
     ends = {stage_of[v] for v in graph.outputs} - needed
     to_loss = {u for u in members(kept) if not recompute_stages[u]
                and any(stage_of[w] in ends and (discarded & ~in_checkpoint) >> w & 1 for w in graph.succs[u])}
+    # What the layers no gradient reaches saved goes at the loss's forward (NOTE [what no gradient reaches]
+    # in harness/trace.py): the kept values they read, and their extras.
+    for w in graph.unreached:
+        if not in_checkpoint >> w & 1:
+            to_loss.update(u for u in graph.backward_reads[w] if (kept & ~plan.swapped) >> u & 1)
     steps = _forward(graph, order, kept, kept & ~in_checkpoint, plan.swapped, readers, recompute_stages,
                      found, sorted(v for v in found if stage_of[v] not in needed), to_loss)
     steps += _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages, rebuilt, in_checkpoint,
@@ -295,10 +304,10 @@ def called_for(graph: Graph, plan: Plan) -> set[int]:
     module keeps). The executor recomputes no other stage, and holds no kept value for one (``timeline``
     adds the checkpointed stages' rebuilt values). A layer's empty extras (an eval-mode batch norm's saved
     statistics on the CPU) call for nothing: the executor leaves them saved."""
-    read = {u for reads in graph.backward_reads for u in reads} | set(graph.loss_reads)
+    read = graph.read_by_backward() | set(graph.loss_reads)
     stage_of = plan.stage_of(len(graph))
     return {stage_of[u] for u in members(plan.recomputed)
-            if u in read or graph.saved_extra_bytes[u] or graph.attribute_bytes[u]}
+            if u in read or graph.reached[u] and (graph.saved_extra_bytes[u] or graph.attribute_bytes[u])}
 
 
 def _frame_holds(graph: Graph, plan: Plan, stage_of: list[int]) -> dict[int, list[int]]:
@@ -377,6 +386,7 @@ def _forward(graph, order, kept, saves, swapped, readers, recompute_stages, foun
     # backward reads them (the loss's own among them: ``readers``).
     loss = [(("loss_forward", -1), graph.loss_forward_bytes)] if graph.loss_forward_bytes else []
     frees = [("value", v) for v in sorted(last) if not held(v)] + [("state", v) for v in unread]
+    frees += [("extra", v) for v in graph.unreached if graph.saved_extra_bytes[v] and saves >> v & 1]
     steps.append(Step(-1, "forward", tuple(loss), tuple(frees + [key for key, _ in loss])))
     return steps
 
@@ -409,7 +419,8 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
 
     fetched = fetch(-1)
     recomputed = set()
-    extras_present = [bool(graph.saved_extra_bytes[v] and (plan.kept & ~in_checkpoint) >> v & 1) for v in range(n)]
+    extras_present = [bool(graph.saved_extra_bytes[v] and (plan.kept & ~in_checkpoint) >> v & 1 and graph.reached[v])
+                      for v in range(n)]
 
     def recompute(stages):
         for s in sorted(stages - recomputed):
@@ -422,14 +433,19 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
             steps.extend(_recompute_stage(graph, nodes, copy, s, present, readers_left, stages_left,
                                           release_if_done, bool(plan.checkpointed >> s & 1)))
             for w in nodes:
-                extras_present[w % n] = bool(graph.saved_extra_bytes[w % n])
+                extras_present[w % n] = bool(graph.saved_extra_bytes[w % n] and graph.reached[w % n])
 
     # The loss's backward reads the outputs it saved; one the plan discarded comes back with its stage, on
     # top of the loss's value and the seed gradient ``backward`` made first.
     read_back = {stage_of[u] for u in graph.loss_reads if not present[u]}
-    if read_back and graph.loss_held_bytes:
-        steps.append(Step(-1, "backward", ((("loss_held", -1), graph.loss_held_bytes),), ()))
+    unpacking = graph.loss_unpack_bytes - graph.loss_held_bytes if read_back else 0
+    if read_back and (graph.loss_held_bytes or unpacking > 0):
+        held = [(("loss_held", -1), graph.loss_held_bytes)] if graph.loss_held_bytes else []
+        held += [(("loss_unpacking", -1), unpacking)] if unpacking > 0 else []
+        steps.append(Step(-1, "backward", tuple(held), ()))
     recompute(read_back)
+    if unpacking > 0:
+        steps.append(Step(-1, "backward", (), (("loss_unpacking", -1),)))
     turn = _turn(graph, gradients, fetched, loss_held=not (read_back and graph.loss_held_bytes))
     frees = list(turn.frees)
     for u in graph.loss_reads:
@@ -438,6 +454,8 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
     steps.append(dataclasses.replace(turn, frees=tuple(frees)))
 
     for v in reversed(order):
+        if not graph.reached[v]:  # its backward never runs
+            continue
         fetched = fetch(v)
         if fetched:
             steps.append(Step(v, "swap_in", tuple(fetched), ()))
@@ -495,7 +513,7 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
             frees.append(("extra", v))
             extras_present[v] = False
         steps.append(Step(v, "backward", tuple(allocs), tuple(frees)))
-    steps.append(_end(graph))
+    steps.append(_end(graph, gradients))
     return steps
 
 
@@ -569,6 +587,8 @@ class _Gradients:
 
         frees = []
         for u in graph.preds[v] if only is None else only:
+            if not graph.reached[u]:  # it takes no gradient
+                continue
             key, size = handed.get(u, (("grad", u, v), graph.mem_bytes[u]))
             old = self.buffer_of.get(u)
             if old is None:
@@ -607,6 +627,9 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
         return any(row >> j & 1 for j in tg.users[u] if j > after and j != but)
 
     outputs = sum(1 << v for v in graph.outputs)  # here until the loss's forward: the model returns them
+    # as is what the layers no gradient reaches saved (NOTE [what no gradient reaches] in harness/trace.py)
+    unreached_reads = sum(1 << u for w in graph.unreached for u in graph.backward_reads[w] if recorded[u] == u)
+    outputs |= unreached_reads
     for t in range(size):
         held_next = held[t + 1] if t + 1 < size else 0
         row = computed[t]
@@ -614,8 +637,9 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
             reads = bits(graph.loss_reads)
             loss = [(("loss_forward", -1), graph.loss_forward_bytes)] if graph.loss_forward_bytes else []
             gone = present & ~held[n] & ~reads
+            unreached = [("extra", w) for w in graph.unreached if graph.saved_extra_bytes[w] and recorded[w] == w]
             steps.append(Step(-1, "forward", tuple(loss), (*[("value", u) for u in members(gone)],
-                                                            *[key for key, _ in loss])))
+                                                            *[key for key, _ in loss], *unreached)))
             present &= ~gone
             turn = _turn(graph, gradients)
             # A Checkmate schedule lets the loss read nothing: an output it reads that is gone by now is
@@ -629,7 +653,7 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
             present &= ~gone
         v = schedule.backward_node(n, t) if t >= n else -1
         work = _working(graph, v) if v >= 0 else 0
-        in_place_first = v >= 0 and _in_place_first(graph, v, work)
+        in_place_first = v >= 0 and graph.reached[v] and _in_place_first(graph, v, work)
         in_place_done = not in_place_first
         held_by_members = 0  # what the in-place members hold when the rest of the layer's backward starts
 
@@ -647,7 +671,12 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
             present &= ~in_place_members(-1)
             in_place_done = True
         for k in members(row):
-            gone = [i for i in schedule.frees(tg, row, held_next, k) if i < n and present >> i & 1]
+            gone = [i for i in schedule.frees(tg, row, held_next, k) if i < n and present >> i & 1
+                    and not (t < n and unreached_reads >> i & 1)]
+            if k >= n and not graph.reached[v]:  # a backward that never runs
+                present &= ~sum(1 << i for i in gone)
+                steps.append(Step(v, "backward", (), tuple(("value", i) for i in gone)))
+                continue
             if k >= n:  # the backward of v
                 if k != t:
                     raise ValueError(f"schedule_timeline: stage {t} computes backward node {k} again; autograd "
@@ -668,8 +697,10 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
             assert not present >> k & 1, f"schedule: stage {t} computes node {k} while holding it"
             allocs = [(("value", k), graph.mem_bytes[k])]
             frees = [("value", i) for i in gone]
-            if recorded[k] == t and graph.saved_extra_bytes[k]:
+            if graph.saved_extra_bytes[k] and (recorded[k] == t or not graph.reached[k]):
                 allocs.append((("extra", k), graph.saved_extra_bytes[k]))
+                if not graph.reached[k] and not t == k == recorded[k]:  # no backward reads it: it goes at once
+                    frees.append(("extra", k))
             if graph.recompute_state_bytes[k]:  # the state as the first call found it, to the last one
                 if t == k and last[k] != k:
                     allocs.append((("state", k), graph.recompute_state_bytes[k]))
@@ -693,7 +724,7 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
             steps.append(Step(-1, "forward" if t < n else "backward", (),
                               tuple(("value", u) for u in members(leaving))))
             present &= ~leaving
-    steps.append(_end(graph))
+    steps.append(_end(graph, gradients))
     return steps
 
 
@@ -762,18 +793,20 @@ def _turn(graph: Graph, gradients: "_Gradients", fetched=(), loss_held: bool = T
     """From forward to backward: the swapped values fetched at once, the loss's buffers and the loss's
     gradients with respect to the outputs come; the loss's working buffers go, its value stays
     (``loss_held``: it comes here, not before)."""
-    for v in graph.outputs:
+    outputs = [v for v in graph.outputs if graph.reached[v]]  # the others take no gradient
+    for v in outputs:
         gradients.hold(v, ("grad", v), graph.loss_grad_bytes[v])
-    allocs = [*fetched, *((("grad", v), graph.loss_grad_bytes[v]) for v in graph.outputs)]
+    allocs = [*fetched, *((("grad", v), graph.loss_grad_bytes[v]) for v in outputs)]
     allocs += [(("loss", -1), graph.loss_bytes)] if graph.loss_bytes else []
     allocs += [(("loss_held", -1), graph.loss_held_bytes)] if graph.loss_held_bytes and loss_held else []
     return Step(-1, "backward", tuple(allocs), (("loss", -1),) if graph.loss_bytes else ())
 
 
-def _end(graph: Graph) -> Step:
+def _end(graph: Graph, gradients: "_Gradients") -> Step:
     """Parameter gradients outlive the step (the optimizer reads them), as do the loss's value and what
     modules keep (``Graph.attribute_bytes``): freed at the end for the tally."""
-    return Step(-1, "backward", (), tuple([*(("param_grad", v) for v in range(len(graph)) if graph.param_bytes[v]),
+    made = sorted(u for u in gradients.params_made if graph.param_bytes[u])
+    return Step(-1, "backward", (), tuple([*(("param_grad", u) for u in made),
                                           *(("attribute", v) for v in range(len(graph)) if graph.attribute_bytes[v]),
                                           *([("loss_held", -1)] if graph.loss_held_bytes else [])]))
 
@@ -803,6 +836,8 @@ def _recompute_stage(graph, nodes, copy, s, present, readers_left, stages_left, 
         allocs = [(_key(w, n), graph.mem_bytes[o])]
         if graph.saved_extra_bytes[o]:
             allocs.append((("extra", o), graph.saved_extra_bytes[o]))
+            if not graph.reached[o]:  # it reruns with autograd off, and what it would save goes at once
+                frees.append(("extra", o))
         if graph.recompute_state_bytes[o]:  # the state as its forward found it, put back after the call
             if checkpointed:  # ``batchnorm_once``'s copies, made now
                 allocs.append((("state", o), graph.recompute_state_bytes[o]))

@@ -204,6 +204,28 @@ def test_what_no_backward_reached_goes_with_the_step(strategy):
     assert outputs and all(ref() is None for ref in outputs)
 
 
+@pytest.mark.parametrize("strategy", ["vanilla", "chen_sqrt"])
+def test_what_no_gradient_reaches_goes_at_the_loss(strategy):
+    """What the aux head saved (its ReLU's output) is gone when the backward pass starts, as in plain
+    PyTorch, where the head's autograd graph dies with the outputs; a loss that reads the aux head, which
+    the traced one did not, is refused where its backward first reads what the head saved."""
+    import weakref
+
+    torch.manual_seed(0)
+    model, x = TwoHeads(), torch.randn(32, 16)
+    loss_fn = lambda out: out[0].square().mean()  # noqa: E731
+    traced = trace(model, x, loss_fn=loss_fn)
+    plan = strategies.solve(strategy, traced.graph)
+    outputs, alive = [], []
+    hook = model.aux[1].register_forward_hook(lambda module, args, out: outputs.append(weakref.ref(out)))
+    model.main.weight.register_hook(lambda grad: alive.append(outputs[-1]() is not None))
+    execute(traced, plan, x, loss_fn=loss_fn)
+    hook.remove()
+    assert alive == [False]
+    with pytest.raises(RuntimeError, match="trace with the loss the step runs"):
+        execute(traced, plan, x, loss_fn=lambda out: out[0].square().mean() + out[1].square().mean())
+
+
 def test_a_recomputation_holds_only_what_the_backward_reads():
     """A recomputed value no backward reads (ResNet's downsampling branch, read only by an addition) goes
     after its last use in the stage, as the simulator frees it, not at the stage's end; a recomputed
