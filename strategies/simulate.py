@@ -805,8 +805,7 @@ def _turn(graph: Graph, gradients: "_Gradients", fetched=(), loss_held: bool = T
 def _end(graph: Graph, gradients: "_Gradients") -> Step:
     """Parameter gradients outlive the step (the optimizer reads them), as do the loss's value and what
     modules keep (``Graph.attribute_bytes``): freed at the end for the tally."""
-    made = sorted(u for u in gradients.params_made if graph.param_bytes[u])
-    return Step(-1, "backward", (), tuple([*(("param_grad", u) for u in made),
+    return Step(-1, "backward", (), tuple([*(("param_grad", u) for u in sorted(gradients.params_made)),
                                           *(("attribute", v) for v in range(len(graph)) if graph.attribute_bytes[v]),
                                           *([("loss_held", -1)] if graph.loss_held_bytes else [])]))
 
