@@ -69,7 +69,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
-from harness.measure import on_host
+from harness.measure import on_host, recomputing
 from harness.nets import sum_loss
 from harness.trace import Traced, generators_of, grad_mode, rng_state, set_rng_state, written_state
 from strategies import Plan, members
@@ -423,7 +423,7 @@ class _Step:
         # as the simulator frees it (a value no backward reads: a downsampling branch read by an addition).
         finals = {self.traced.members[g][-1] for g in groups if self.value_tokens.get(g)}
         env = {}
-        with torch.no_grad(), _preserved_rng(self.rng), torch.device(self.default_device):
+        with torch.no_grad(), _preserved_rng(self.rng), torch.device(self.default_device), recomputing():
             for node in order:
                 load = lambda a: self._load(a, env)  # noqa: E731
                 if node.name in self.extra_nodes:

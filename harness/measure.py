@@ -29,7 +29,10 @@ five branches, +20% on a swap plan). The tracker puts the device's behaviour bac
 backward pass (a current autograd node, grad mode off) whose result is the size of an operand is counted
 only at the next op, and by then, if the engine held the operand's last reference, that operand has
 been freed, as the in-place sum would have reused it. A sum whose operands both live on is counted as
-an allocation, as on the device.
+an allocation, as on the device. The executor's recomputation also runs in the backward pass with grad
+mode off, and its additions (a residual ``x + attn(x)``) are the program's, not the engine's: inside
+``recomputing()`` every op's result counts at once (taken for sums, a LoRA layer's ``base(x) + x @ a @ b``
+was measured one value low, its operands freed before its result counted).
 """
 
 from __future__ import annotations
@@ -62,6 +65,17 @@ def on_host():
         yield
     finally:
         _placement.host -= 1
+
+
+@contextlib.contextmanager
+def recomputing():
+    """Ops run inside are the program's (the executor's recomputation), never the autograd engine's
+    gradient sums (NOTE [the tracker and gradient accumulation])."""
+    _placement.recomputing = getattr(_placement, "recomputing", 0) + 1
+    try:
+        yield
+    finally:
+        _placement.recomputing -= 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +176,7 @@ class MemoryTracker(TorchDispatchMode):
 def _is_gradient_sum(out, args) -> bool:
     """An ``add`` the autograd engine may run in place on the device (NOTE [the tracker and gradient
     accumulation])."""
-    if torch.is_grad_enabled() or torch._C._current_autograd_node() is None:
+    if torch.is_grad_enabled() or torch._C._current_autograd_node() is None or getattr(_placement, "recomputing", 0):
         return False
     size = out.untyped_storage().nbytes()
     return any(isinstance(a, torch.Tensor) and a.untyped_storage().nbytes() == size for a in args[:2])
