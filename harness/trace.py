@@ -25,6 +25,17 @@ An in-place write to a value that a node of *another* IR node has already read (
 x.relu_()``) is refused: a recomputation of ``y`` would read the written ``x``, and one IR node per
 storage cannot hold both versions. The error names the module and the two calls.
 
+NOTE [values held outside the program]
+A plan decides when each value goes; that promise breaks if something outside the traced program holds
+a value: a forward hook that appends a layer's output to a list (feature extraction for a perceptual
+loss), a module attribute or a global it is stored in. Such a value lives to the step's end whatever the
+plan, and a plan that recomputes it makes a second copy (a hooked activation measured 9% above its
+plan's replay). The step on meta that ``_backward_peaks`` runs shows them: an IR node's storage still
+alive after its backward, its output and its loss gone. Likewise ``self.feat = x`` in a forward: fx
+records no attribute assignment, so the traced program would never make it (the attribute is left
+holding fx's Proxy). Both are refused, naming the layer or the attribute; the way out is to return the
+value from the forward, where a loss can read it like any output.
+
 NOTE [augmented assignments]
 fx's own Proxy has no ``__iadd__``, so Python runs ``out += identity`` as ``out = out + identity``: a new
 buffer that the model never allocates (torchvision's bottleneck would hold one more feature map in every
@@ -173,6 +184,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import gc
 import operator
 import random
 import re
@@ -239,8 +251,15 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
             gm.recompile()
         loss_fn = loss_fn or sum_loss  # the executor's default
         shares, work, early, ran = _gradients(probe, output, loss_fn)
-        peaks, frees, transients, unpacks = _backward_peaks(meta_module, probe.group_of, probe.view_names,
-                                                            example_input, loss_fn)
+        peaks, frees, transients, unpacks, held = _backward_peaks(meta_module, probe.group_of, probe.view_names,
+                                                                  example_input, loss_fn)
+        if held:  # NOTE [values held outside the program]
+            layer = _describe(probe.groups[min(held)]["members"][0], meta_module)
+            raise TraceFailure(
+                f"the value of {layer} is still held after a training step by something outside the traced "
+                "program (a forward hook that keeps a layer's output, a list, a module attribute or a global "
+                "it is stored in): no plan could free or recompute it, and every budget would be broken. Return "
+                "the value from the forward instead (a loss can read several outputs)")
         traced = probe.result(gm, shares, work, peaks, early, frees, transients, unpacks, ran)
 
         def node_of(t: torch.Tensor) -> int | None:
@@ -330,7 +349,7 @@ def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict, dict, set[
 
 
 def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set[str], example_input: torch.Tensor,
-                    loss_fn) -> tuple[dict[int, int], dict[int, tuple[set[int], int]], dict[int, int], dict]:
+                    loss_fn) -> tuple[dict[int, int], dict[int, tuple[set[int], int]], dict[int, int], dict, set[int]]:
     """The most each layer's backward holds above what was live as it began (``Graph.backward_peak_bytes``),
     seen in a plain training step on meta: the gradients it makes (working ones, its inputs', its
     parameters') less what it frees on the way (its saved extras as each of its autograd nodes finishes,
@@ -339,7 +358,8 @@ def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set
     went (``Graph.backward_frees``), the most its forward call held above what it left
     (``Graph.forward_transient_bytes``), and what its backward held above what was live as it began the
     first time it unpacked each IR node's value or, its own, what it saved besides
-    (``Graph.unpack_held_bytes``)."""
+    (``Graph.unpack_held_bytes``); last, the layers whose value outlives the step (NOTE [values held
+    outside the program])."""
     from harness.measure import MemoryTracker
 
     layers: dict[object, int] = {}  # autograd node -> the probe group whose layer call made it
@@ -420,7 +440,10 @@ def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
             loss_fn(Claiming(module).run(x)).backward()
     module.zero_grad(set_to_none=True)
-    return tracker.peaks, tracker.frees, transients, unpacks
+    if values:  # what a reference cycle holds (a Function's ctx) goes at the next collection
+        gc.collect()
+    held = {g for key, g in values.items() if key not in static}  # still alive (NOTE [values held outside
+    return tracker.peaks, tracker.frees, transients, unpacks, held  # the program])
 
 
 def _new_autograd_nodes(outputs, known: dict) -> list:
@@ -681,8 +704,14 @@ def _fx_trace(model: torch.nn.Module, proxy_buffers: bool) -> fx.GraphModule:
     try:
         tracer = _Tracer()
         tracer.proxy_buffer_attributes = proxy_buffers
+        attributes = {id(m): dict(vars(m)) for m in model.modules()}
         with torch.enable_grad(), _functions_as_calls(), _DrawsAsCalls(tracer):
             graph = tracer.trace(model)
+        if kept := _proxies_kept(model, attributes):  # NOTE [values held outside the program]
+            raise TraceFailure(
+                f"module {kept[0] or type(model).__name__!r} keeps a value that its forward or a hook computes in "
+                f"attribute {kept[1]!r}: torch.fx records no such assignment, so the traced program would never "
+                "make it; return the value from the forward instead (a loss can read several outputs)")
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except TraceFailure:
         raise
@@ -697,6 +726,25 @@ def _fx_trace(model: torch.nn.Module, proxy_buffers: bool) -> fx.GraphModule:
             "the executor would run another program than the model's (NOTE [autocast in the forward]). Take the "
             "autocast out of the forward; the harness trains in the parameters' dtype")
     return gm
+
+
+def _proxies_kept(model: torch.nn.Module, before: dict[int, dict]) -> tuple[str, str] | None:
+    """The first (module, attribute) a trace left holding fx's Proxy, directly or in a list, tuple or dict;
+    each attribute that holds one gets its value from before the trace back (NOTE [values held outside the
+    program])."""
+    found = None
+    for name, m in model.named_modules():
+        for key, value in list(vars(m).items()):
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
+                else [value]
+            if any(isinstance(item, fx.Proxy) for item in items):
+                found = found or (name, key)
+                if isinstance(value, fx.Proxy):
+                    if key in before[id(m)]:
+                        setattr(m, key, before[id(m)][key])
+                    else:
+                        delattr(m, key)
+    return found
 
 
 # What fx's errors mean in the model's own terms (a pattern of the error's text; the construct, and the way
