@@ -242,6 +242,11 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
         probe = _Probe(meta_module, cost_model)
         with torch.enable_grad():
             output = probe.run(example_input.to("meta").requires_grad_(False))
+        if opaque := _opaque_output(output):
+            raise TraceFailure(
+                f"{type(model).__name__} returns a {opaque}, whose tensors torch's pytree cannot see, so neither "
+                "the plans nor the loss's accounting would find its outputs; return a tuple, dict or namedtuple, "
+                f"or register the type (torch.utils._pytree.register_dataclass({opaque}))")
         # What layers saved that a module keeps as an attribute (NOTE [tensors a module keeps]).
         probe.kept_by_modules = {id(_storage(t)) for t in non_leaf_attributes(meta_module)}
         if probe.out_of_place:  # where the probe ran a copy, the same out-of-place turns here
@@ -294,6 +299,11 @@ def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict, dict, set[
             ran.add(g)
             held.extend(t for t in (*grad_inputs, *grad_outputs) if t is not None)
             for t in (*grad_inputs, *grad_outputs):
+                if t is not None and t.layout != torch.strided:
+                    raise TraceFailure(
+                        f"the backward of {_describe(probe.groups[g]['members'][0], probe.module)} makes a "
+                        f"{str(t.layout).removeprefix('torch.')} gradient (an nn.Embedding or EmbeddingBag with "
+                        "sparse=True): the plans and the measurements count dense gradients; set sparse=False")
                 if t is not None:
                     sizes[_storage(t)._cdata] = _storage(t).nbytes()
             if fn in probe.view_nodes:  # what a view's backward makes is the storage's gradient, received
@@ -726,6 +736,16 @@ def _fx_trace(model: torch.nn.Module, proxy_buffers: bool) -> fx.GraphModule:
             "the executor would run another program than the model's (NOTE [autocast in the forward]). Take the "
             "autocast out of the forward; the harness trains in the parameters' dtype")
     return gm
+
+
+def _opaque_output(output) -> str:
+    """The type name of the first object among the model's outputs that holds tensors pytree does not
+    flatten (a dataclass not registered with it), or ''."""
+    for leaf in tree_leaves(output):
+        fields = vars(leaf).values() if hasattr(leaf, "__dict__") and not isinstance(leaf, torch.Tensor) else ()
+        if any(isinstance(value, torch.Tensor) for value in fields):
+            return type(leaf).__name__
+    return ""
 
 
 def _proxies_kept(model: torch.nn.Module, before: dict[int, dict]) -> tuple[str, str] | None:

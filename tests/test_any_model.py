@@ -1,6 +1,7 @@
 """Any PyTorch model, exact: randomness, in-place ops and state handled by mechanism (NOTE [replaying side
 effects] in harness/execute.py), on models from outside the zoo; and models named by source."""
 
+import dataclasses
 import random
 import sys
 import textwrap
@@ -647,6 +648,43 @@ def test_a_value_held_outside_the_traced_program_is_refused_naming_it():
     assert plan.recomputed
     measured = measure(lambda: execute(traced, plan, x, loss_fn=loss_fn), model, (x,), "meta").peak_bytes
     assert measured == strategies.simulate(traced.graph, plan).peak_bytes + fixed_bytes(model, x)
+
+
+@dataclasses.dataclass
+class Prediction:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class ReturnsADataclass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+
+    def forward(self, x):
+        hidden = self.layers(x)
+        return Prediction(hidden * 2, hidden)
+
+
+def test_an_output_pytree_cannot_see_and_a_sparse_gradient_are_refused_naming_them():
+    # Traced, the dataclass's tensors were no outputs: the trace crashed in autograd.grad, and a sparse
+    # gradient crashed the storage count; both with raw errors.
+    x = torch.randn(8, 16)
+    loss_fn = lambda out: out.logits.square().mean()  # noqa: E731
+    with pytest.raises(TraceFailure, match=r"ReturnsADataclass returns a Prediction, whose tensors torch's pytree "
+                                           r"cannot see.*register_dataclass\(Prediction\)"):
+        trace(ReturnsADataclass(), x, loss_fn=loss_fn)
+    sparse = nn.Sequential(nn.Embedding(50, 16, sparse=True), nn.Linear(16, 4))
+    with pytest.raises(TraceFailure, match=r"backward of Embedding \(.* in module '0'\) makes a sparse_coo "
+                                           r"gradient.*set sparse=False"):
+        trace(sparse, torch.randint(0, 50, (8, 5)), loss_fn=lambda out: out.square().mean())
+    # Registered with pytree, the dataclass is an output like a tuple's, and a plan trains exactly.
+    torch.utils._pytree.register_dataclass(Prediction)
+    model = ReturnsADataclass().double()
+    traced = trace(model, x.double(), loss_fn=loss_fn)
+    plan = strategies.solve("chen_sqrt", traced.graph)
+    assert plan.recomputed
+    assert compare(model, x.double(), loss_fn, lambda: execute(traced, plan, x.double(), loss_fn=loss_fn)).exact
 
 
 def test_unknown_names_list_the_near_matches():
