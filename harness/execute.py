@@ -473,6 +473,10 @@ class _Step:
         for rank, t in enumerate(captured):
             if (node.name, rank) in self.extra_keys:
                 self.extras[(node.name, rank)] = t
+        # An autograd node the rerun made may outlive it (a pruning or weight-norm pre-hook's weight, which
+        # its module keeps), and each of its saved tensors holds ``keep`` and so this list: emptied, it holds
+        # no recomputed value past the rerun.
+        captured.clear()
         return fx.node.map_aggregate(value, lambda v: v.detach() if isinstance(v, torch.Tensor) else v)
 
     def _release_cache(self, g: int):
