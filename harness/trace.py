@@ -242,6 +242,13 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
         probe = _Probe(meta_module, cost_model)
         with torch.enable_grad():
             output = probe.run(example_input.to("meta").requires_grad_(False))
+        kept = next(((node, where) for node, where in gm.meta.get("kept_as_attributes", {}).items()
+                     if node in probe.group_of), None)
+        if kept:  # NOTE [values held outside the program]
+            raise TraceFailure(
+                f"module {kept[1][0]!r} keeps a value its forward or a hook computes ({kept[0]}) in attribute "
+                f"{kept[1][1]!r}: torch.fx records no such assignment, so the traced program would never make it; "
+                "return the value from the forward instead (a loss can read several outputs)")
         if opaque := _opaque_output(output):
             raise TraceFailure(
                 f"{type(model).__name__} returns a {opaque}, whose tensors torch's pytree cannot see, so neither "
@@ -447,9 +454,12 @@ def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set
     static = {id(_storage(t)) for t in [*module.parameters(), *module.buffers(), x]}
     module.zero_grad(set_to_none=True)  # as every step starts (a gradient already there is summed into)
     with torch.enable_grad(), LayerPeaks(module, (x,)) as tracker:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+        # Packed detached: a saved output packed as itself would hold its own grad_fn, a cycle through C++
+        # that kept what an unreached branch saved alive after the step (NOTE [values held outside the program]).
+        with torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, unpack):
             loss_fn(Claiming(module).run(x)).backward()
     module.zero_grad(set_to_none=True)
+    layers.clear()  # the autograd nodes no backward ran (an unused branch's) hold what they saved
     if values:  # what a reference cycle holds (a Function's ctx) goes at the next collection
         gc.collect()
     held = {g for key, g in values.items() if key not in static}  # still alive (NOTE [values held outside
@@ -717,12 +727,9 @@ def _fx_trace(model: torch.nn.Module, proxy_buffers: bool) -> fx.GraphModule:
         attributes = {id(m): dict(vars(m)) for m in model.modules()}
         with torch.enable_grad(), _functions_as_calls(), _DrawsAsCalls(tracer):
             graph = tracer.trace(model)
-        if kept := _proxies_kept(model, attributes):  # NOTE [values held outside the program]
-            raise TraceFailure(
-                f"module {kept[0] or type(model).__name__!r} keeps a value that its forward or a hook computes in "
-                f"attribute {kept[1]!r}: torch.fx records no such assignment, so the traced program would never "
-                "make it; return the value from the forward instead (a loss can read several outputs)")
+        kept = _proxies_kept(model, attributes)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        gm.meta["kept_as_attributes"] = kept  # NOTE [values held outside the program]
     except TraceFailure:
         raise
     except Exception as error:  # fx raises TraceError, but also TypeError/AttributeError from user code
@@ -748,22 +755,24 @@ def _opaque_output(output) -> str:
     return ""
 
 
-def _proxies_kept(model: torch.nn.Module, before: dict[int, dict]) -> tuple[str, str] | None:
-    """The first (module, attribute) a trace left holding fx's Proxy, directly or in a list, tuple or dict;
-    each attribute that holds one gets its value from before the trace back (NOTE [values held outside the
-    program])."""
-    found = None
+def _proxies_kept(model: torch.nn.Module, before: dict[int, dict]) -> dict[str, tuple[str, str]]:
+    """The fx nodes whose Proxy a trace left in a module's attribute, directly or in a list, tuple or dict:
+    node name -> (module, attribute). Each attribute that holds one gets its value from before the trace
+    back. A shape kept so (``self.H = x.shape[2]``) is harmless; a tensor is not (NOTE [values held outside
+    the program])."""
+    found = {}
     for name, m in model.named_modules():
         for key, value in list(vars(m).items()):
             items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
                 else [value]
-            if any(isinstance(item, fx.Proxy) for item in items):
-                found = found or (name, key)
-                if isinstance(value, fx.Proxy):
-                    if key in before[id(m)]:
-                        setattr(m, key, before[id(m)][key])
-                    else:
-                        delattr(m, key)
+            for item in items:
+                if isinstance(item, fx.Proxy):
+                    found.setdefault(item.node.name, (name or type(model).__name__, key))
+            if isinstance(value, fx.Proxy):
+                if key in before.get(id(m), {}):
+                    setattr(m, key, before[id(m)][key])
+                else:
+                    delattr(m, key)
     return found
 
 

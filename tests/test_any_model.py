@@ -621,6 +621,8 @@ class Features(nn.Module):
             x = layer(x)
             if i == 1 and self.keep == "attribute":
                 self.feature = x
+            elif i == 1 and self.keep == "shape":
+                self.width = x.shape[1]
             elif i == 1 and self.keep == "return":
                 feature = x
         return (x, feature) if self.keep == "return" else x
@@ -634,10 +636,13 @@ def test_a_value_held_outside_the_traced_program_is_refused_naming_it():
                                            r"training step .*forward hook.*Return the value from the forward"):
         trace(Features("hook"), x, loss_fn=lambda out: out.square().mean())
     model = Features("attribute")
-    with pytest.raises(TraceFailure, match=r"module 'Features' keeps a value that its forward or a hook computes "
-                                           r"in attribute 'feature': torch\.fx records no such assignment"):
+    with pytest.raises(TraceFailure, match=r"module 'Features' keeps a value its forward or a hook computes "
+                                           r"\(.*\) in attribute 'feature': torch\.fx records no such assignment"):
         trace(model, x)
     assert not hasattr(model, "feature")  # the trace left no fx Proxy on the model
+    model = Features("shape")  # a shape kept so is no value: traced as before
+    trace(model, x)
+    assert not hasattr(model, "width")
     with pytest.raises(TraceFailure, match=r"module 'Features' keeps .* in attribute 'kept'"):
         trace(Features("hook on a traced module"), x)
     # The way out: the loss reads the feature as an output, and the plan holds it as it holds any value.
