@@ -31,10 +31,12 @@ a value: a forward hook that appends a layer's output to a list (feature extract
 loss), a module attribute or a global it is stored in. Such a value lives to the step's end whatever the
 plan, and a plan that recomputes it makes a second copy (a hooked activation measured 9% above its
 plan's replay). The step on meta that ``_backward_peaks`` runs shows them: an IR node's storage still
-alive after its backward, its output and its loss gone. Likewise ``self.feat = x`` in a forward: fx
-records no attribute assignment, so the traced program would never make it (the attribute is left
-holding fx's Proxy). Both are refused, naming the layer or the attribute; the way out is to return the
-value from the forward, where a loss can read it like any output.
+alive after its backward, its output and its loss gone (that step packs saved tensors detached and lets
+go of the autograd nodes it noted, so what an unused branch saved goes as it does in plain PyTorch).
+Likewise ``self.feat = x`` in a forward: fx records no attribute assignment, so the traced program would
+never make it (fx leaves the attribute holding its Proxy; the trace puts the old value back). Both are
+refused, naming the layer or the attribute; the way out is to return the value from the forward, where
+a loss can read it like any output. A shape kept so (``self.H = x.shape[2]``) is no value, and traces.
 
 NOTE [augmented assignments]
 fx's own Proxy has no ``__iadd__``, so Python runs ``out += identity`` as ``out = out + identity``: a new
