@@ -122,7 +122,9 @@ def test_a_compiled_step_is_compiled():
     assert counters["stats"]["unique_graphs"] == compiled
 
 
-@pytest.mark.parametrize("net", [net for net in nets.PAPER_NETS if net != "resnet152"])  # ResNet-50's blocks, more
+# ResNet-152 is ResNet-50's blocks, more; DenseNet-161's compile alone took 113 s of CI's 15 minutes (it
+# held 3% or less when it ran here, and its compiled plan's exactness is tested above).
+@pytest.mark.parametrize("net", [net for net in nets.PAPER_NETS if net not in ("resnet152", "densenet161")])
 def test_compiled_plans_hold_what_the_eager_plan_holds(net):
     """On meta (the AOT replay), a compiled recomputing plan holds at most 3% more than the eager executor
     does (the compiler may hold less: it also recomputes cheap ops of kept nodes), and where the eager plan
