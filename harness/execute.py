@@ -3,8 +3,9 @@
 NOTE [executing a plan]
 The forward pass runs the fx graph layer by layer with autograd on, stage by stage (``_stage_order``), inside
 ``saved_tensors_hooks``. When a layer's backward saves a tensor whose storage belongs to an IR node the
-plan recomputes, the hook keeps only a token (the node and the tensor's size, stride and offset), so the
-value dies after its last forward use. Values the plan keeps are saved as usual, and the executor holds
+plan recomputes, the hook keeps only a token (the node, which of its storages: a layer may make several,
+as ``torch.linalg.qr`` makes Q and R, and the tensor's size, stride and offset), so the value dies after
+its last forward use. Values the plan keeps are saved as usual, and the executor holds
 on to those that the recomputation of a later stage reads.
 
 In the backward pass, the first time the autograd engine unpacks a token of stage ``i``, all the
@@ -125,7 +126,7 @@ class _Saved:
 
     tensor: torch.Tensor | None
     group: int = -1
-    geometry: tuple = ()
+    geometry: tuple = ()  # (rank of the storage in its IR node, size, stride, offset, dtype)
     extra: tuple[str, int] | None = None  # (fx node, rank among what it saved): not a node's value
     swapped: _HostCopy | None = None
 
@@ -135,13 +136,14 @@ class _Step:
     traced: Traced
     plan: Plan
     env: dict[str, object] = field(default_factory=dict)  # fx node name -> value, during a pass
-    storage_group: dict[int, tuple[weakref.ref, int]] = field(default_factory=dict)
+    storage_group: dict[int, tuple[weakref.ref, int, int]] = field(default_factory=dict)  # -> group, rank
+    storage_ranks: dict[int, dict[int, int]] = field(default_factory=dict)  # group -> storage id -> rank
     pending: list[_Saved] = field(default_factory=list)  # packed since the last resolve
     tokens_left: dict[int, int] = field(default_factory=dict)  # group -> tokens not yet unpacked
     value_tokens: dict[int, int] = field(default_factory=dict)  # group -> those of them that read its value
     cache: dict[str, object] = field(default_factory=dict)  # fx node of a kept group -> value, for recomputation
     cache_stages: dict[int, set[int]] = field(default_factory=dict)  # kept group -> stages still to read it
-    recomputed: dict[int, torch.Tensor] = field(default_factory=dict)
+    recomputed: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # group -> rank -> a tensor
     rng_states: dict[str, object] = field(default_factory=dict)  # fx node that drew numbers -> RNG state before it
     state_before: dict[str, list] = field(default_factory=dict)  # recomputed fx node -> the state its call found
     constants: dict[str, object] = field(default_factory=dict)  # inputs and non-tensor values
@@ -216,7 +218,9 @@ class _Step:
         which autograd's backward, which runs in reverse creation order, visits the stages one at a time
         from the last, as the canonical strategy does. A node never comes before its inputs; nodes outside
         the IR go with their latest input; a node that draws random numbers never before an earlier one
-        that draws (it goes with the later stage), so every draw sees plain PyTorch's generator state.
+        that draws (it goes with the later stage), so every draw sees plain PyTorch's generator state, and
+        one that can reach a buffer never before an earlier one that can reach it: a BatchNorm called on
+        two views (a Siamese encoder's) updates its running statistics in the program's order.
         A layer call that an in-place write of its IR node follows runs just before that write
         (``_delayed``), so that an IR node's autograd nodes are made together, as the replay runs them."""
         nodes = list(self.traced.module.graph.nodes)
@@ -226,7 +230,7 @@ class _Step:
             read_before.setdefault(writer, []).append(reader)
         by_name = {node.name: node for node in nodes}
         key, position = {}, {}
-        last_draw = (-1, -1)
+        last_use: dict[str, tuple[int, int]] = {}  # Traced.shared_state's names -> the last key to use it
         for index, node in enumerate(nodes):
             position[node] = index
             g = self.traced.group_of.get(node.name)
@@ -240,8 +244,9 @@ class _Step:
             # A view can read a shape computed in a later stage (U-Net's crops): then it waits for it; a
             # write to a buffer waits for the nodes that read it before (NOTE [state the forward writes]).
             key[node] = max([own] + inputs + [key[by_name[r]] for r in read_before.get(node.name, ())])
-            if node.name in self.traced.random_nodes:  # draws stay in program order: the same numbers
-                key[node] = last_draw = max(key[node], last_draw)
+            shared = self.traced.shared_state.get(node.name, ())  # in program order: the same numbers and
+            key[node] = max([key[node]] + [last_use[name] for name in shared if name in last_use])  # statistics
+            last_use.update(dict.fromkeys(shared, key[node]))
         return sorted(nodes, key=lambda node: (key[node], position[node]))
 
     def _store(self, node: fx.Node, value):
@@ -251,10 +256,10 @@ class _Step:
             self.constants[node.name] = value  # no tensor of its own: kept for the whole step
         else:
             self.env[node.name] = value
-            for t in tree_leaves(value):
-                if isinstance(t, torch.Tensor):
-                    storage = t.untyped_storage()
-                    self.storage_group[id(storage)] = (weakref.ref(storage), g)
+            ranks = self.storage_ranks.setdefault(g, {})
+            for t in _ranked(value, ranks).values():
+                storage = t.untyped_storage()
+                self.storage_group[id(storage)] = (weakref.ref(storage), g, ranks[id(storage)])
             if node.name in self.cached_names.get(g, ()):
                 self.cache[node.name] = value
             # The backward of a value starts at its last writer's grad_fn, not at a view's: a view taken
@@ -329,10 +334,10 @@ class _Step:
         for rank, saved in enumerate(self.pending):
             storage = saved.tensor.untyped_storage()
             entry = self.storage_group.get(id(storage))
-            g = entry[1] if entry and entry[0]() is storage else -1
+            g, storage_rank = entry[1:] if entry and entry[0]() is storage else (-1, -1)
             t = saved.tensor
             if g in self.discarded or g in self.swapped:
-                saved.group, saved.geometry = g, (t.size(), t.stride(), t.storage_offset(), t.dtype)
+                saved.group, saved.geometry = g, (storage_rank, t.size(), t.stride(), t.storage_offset(), t.dtype)
                 if g in self.swapped:
                     saved.swapped = self._copy_out(g, storage)
                     saved.swapped.tokens += 1
@@ -365,9 +370,9 @@ class _Step:
         if saved.extra is not None:
             value = self.extras.pop(saved.extra)
         else:
-            size, stride, offset, dtype = saved.geometry
-            base = self.recomputed[g]
-            assert base.dtype == dtype, "executor bug: a token's dtype differs from its recomputed storage"
+            storage_rank, size, stride, offset, dtype = saved.geometry
+            base = self.recomputed[g][storage_rank]
+            assert base.dtype == dtype, "executor bug: a token's dtype differs from its recomputed storage's"
             value = base.as_strided(size, stride, offset)
             self.value_tokens[g] -= 1
             if self.value_tokens[g] == 0:
@@ -405,7 +410,7 @@ class _Step:
         if copy.fetched is None:  # before its prefetch (or its trigger has no grad_fn): a stall
             self._fetch([saved.group])
         self.streams.wait(copy.copied_in)
-        size, stride, offset, dtype = saved.geometry
+        _, size, stride, offset, dtype = saved.geometry
         value = copy.fetched.view(dtype).as_strided(size, stride, offset)
         copy.tokens -= 1
         if copy.tokens == 0:
@@ -423,6 +428,10 @@ class _Step:
         # as the simulator frees it (a value no backward reads: a downsampling branch read by an addition).
         finals = {self.traced.members[g][-1] for g in groups if self.value_tokens.get(g)}
         env = {}
+        # Each storage of a value, by its rank among the value's storages in the forward pass: a layer that
+        # makes several (``torch.linalg.qr``'s Q and R, ``var_mean``, values and indices) saves any of them.
+        storages = {g: {} for g in groups if self.value_tokens.get(g)}
+        ranks = {g: {} for g in storages}
         with torch.no_grad(), _preserved_rng(self.rng), torch.device(self.default_device), recomputing():
             for node in order:
                 load = lambda a: self._load(a, env)  # noqa: E731
@@ -430,6 +439,9 @@ class _Step:
                     env[node.name] = self._rerun_saving(node, env)
                 else:
                     env[node.name] = self._run(node, load(node.args), load(node.kwargs), recompute=True)
+                g = self.traced.group_of[node.name]
+                if g in storages:
+                    storages[g] |= {ranks[g][sid]: t for sid, t in _ranked(env[node.name], ranks[g]).items()}
                 for source in node.all_input_nodes:
                     if source.name in uses:
                         uses[source.name] -= 1
@@ -439,8 +451,7 @@ class _Step:
                     env.pop(node.name)
         for g in groups:
             if self.tokens_left.get(g):  # pending tokens: of its value, or only of what its layer saved
-                final = self.traced.members[g][-1]
-                self.recomputed[g] = _first_tensor(env[final]) if self.value_tokens.get(g) else _EXTRAS_ONLY
+                self.recomputed[g] = storages[g] if self.value_tokens.get(g) else _EXTRAS_ONLY
         for g in list(self.cache_stages):
             self.cache_stages[g].discard(stage)
             self._release_cache(g)
@@ -632,6 +643,17 @@ def _last_uses(graph: fx.Graph, within: set[str] | None = None) -> dict[str, int
         for source in node.all_input_nodes:
             counts[source.name] = counts.get(source.name, 0) + 1
     return counts
+
+
+def _ranked(value, ranks: dict[int, int]) -> dict[int, torch.Tensor]:
+    """The storages ``value`` holds that ``ranks`` had not seen, by id, each with a tensor on it; each is
+    given the next rank, so a value's storages are ranked alike in its forward call and its recomputation."""
+    new = {}
+    for t in tree_leaves(value):
+        if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in ranks:
+            ranks[id(t.untyped_storage())] = len(ranks)
+            new[id(t.untyped_storage())] = t
+    return new
 
 
 def _first_tensor(value) -> torch.Tensor:

@@ -225,6 +225,8 @@ class Traced:
     writes_state: frozenset[str] = frozenset()  # fx nodes that write an input, parameter or buffer in place
     state_order: frozenset[tuple[str, str]] = frozenset()  # (reader, writer): a buffer read before a write
     written_buffers: frozenset[str] = frozenset()  # buffers such a write writes
+    # fx node -> the state it uses in the program's order: "generators" (it draws), buffers it can reach
+    shared_state: dict[str, frozenset[str]] = dataclasses.field(default_factory=dict)
 
 
 class TraceFailure(RuntimeError):
@@ -264,7 +266,7 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
                     node.target = _AUGMENTED.get(node.target, node.target)
             gm.recompile()
         loss_fn = loss_fn or sum_loss  # the executor's default
-        shares, work, early, ran = _gradients(probe, output, loss_fn)
+        shares, work, early, ran, handed = _gradients(probe, output, loss_fn)
         peaks, frees, transients, unpacks, held = _backward_peaks(meta_module, probe.group_of, probe.view_names,
                                                                   example_input, loss_fn)
         if held:  # NOTE [values held outside the program]
@@ -274,7 +276,7 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
                 "program (a forward hook that keeps a layer's output, a list, a module attribute or a global "
                 "it is stored in): no plan could free or recompute it, and every budget would be broken. Return "
                 "the value from the forward instead (a loss can read several outputs)")
-        traced = probe.result(gm, shares, work, peaks, early, frees, transients, unpacks, ran)
+        traced = probe.result(gm, shares, work, peaks, early, frees, transients, unpacks, ran, handed)
 
         def node_of(t: torch.Tensor) -> int | None:
             g = probe._group(_storage(t))
@@ -284,16 +286,17 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
     return dataclasses.replace(traced, graph=traced.graph.replace(**loss))
 
 
-def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict, dict, set[int] | None]:
+def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict, dict, set[int] | None, set[tuple[int, int]]]:
     """What each IR node's backward hands its predecessors (``Graph.grad_shares``), the gradients it
     works with on the way (``Graph.backward_work_bytes``), the predecessors its in-place members hand a
-    gradient (``Graph.early_grads``) and the IR nodes whose backward ran at all (NOTE [what no gradient
-    reaches]; None: the outputs take no gradient), seen in a backward pass on meta: per autograd node of
-    the node's layer, the gradients it reads and makes, compared by storage with the gradient the layer
-    received and with those it passes to another IR node's autograd nodes."""
+    gradient (``Graph.early_grads``), the IR nodes whose backward ran at all (NOTE [what no gradient
+    reaches]; None: the outputs take no gradient) and the pairs (node, predecessor) it handed one, seen in
+    a backward pass on meta: per autograd node of the node's layer, the gradients it reads and makes,
+    compared by storage with the gradient the layer received and with those it passes to another IR node's
+    autograd nodes."""
     leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     if not leaves:
-        return {}, {}, {}, None
+        return {}, {}, {}, None, set()
     ran: set[int] = set()
     received: dict[int, set[int]] = {}  # probe group -> storages of the gradient its backward started from
     handed: list[tuple[int, int, object, int]] = []  # (group, predecessor group, its autograd node, storage)
@@ -364,7 +367,7 @@ def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict, dict, set[
                 by_storage.setdefault(next(iter(storages)), []).append(h)
         shares[g] = [(preds, -1 if key in received.get(g, ()) else sizes[key])
                      for key, preds in by_storage.items() if key in received.get(g, ()) or len(preds) > 1]
-    return shares, work, early, ran
+    return shares, work, early, ran, {(g, h) for g, h, _, _ in handed}
 
 
 def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set[str], example_input: torch.Tensor,
@@ -537,6 +540,8 @@ def _loss_fields(output, loss_fn, node_of, n: int) -> dict:
         if id(_storage(t)) in saved:
             reads.add(v)
     held = max(0, ends - output_bytes - made)  # the loss's value and the seed, to the step's end
+    if id(_storage(loss)) in output_storages:  # the model returns its loss, which the step holds to its end
+        held += loss.untyped_storage().nbytes()
     fields = dict(loss_forward_bytes=max(0, forward - output_bytes), loss_held_bytes=held,
                   loss_bytes=max(0, tracker.peak_bytes - output_bytes - made - held),
                   loss_unpack_bytes=max(0, unpacked[0] - output_bytes) if unpacked else 0)
@@ -867,6 +872,8 @@ class _Probe(fx.Interpreter):
             if p.requires_grad:
                 self.trainable[id(_storage(p))] = self.trainable.get(id(_storage(p)), 0) + p.numel() * p.element_size()
         self.buffer_ids = {id(b) for b in gm.buffers()}
+        self.buffer_names = {id(b): name for name, b in gm.named_buffers()}
+        self.shared_state: dict[str, frozenset[str]] = {}  # Traced.shared_state
         self.buffer_of_storage = {id(_storage(b)): (name, b) for name, b in gm.named_buffers()}
         self.static_names = {id(_storage(t)): f"{kind} {name!r}" for kind, named in
                              (("parameter", gm.named_parameters()), ("buffer", gm.named_buffers())) for name, t in named}
@@ -929,6 +936,11 @@ class _Probe(fx.Interpreter):
                     "tensor") from error
         if draws.seen:
             self.random_nodes.add(node.name)
+        reached = [*inputs, *(self.module.get_submodule(node.target).buffers() if node.op == "call_module" else ())]
+        state = {self.buffer_names[id(t)] for t in reached if id(t) in self.buffer_names} | (
+            {"generators"} if draws.seen else set())
+        if state:
+            self.shared_state[node.name] = frozenset(state)
         wrote = any(t._version != v for t, v in zip(inputs, versions) if id(_storage(t)) not in self.static)
         self._record(node, result, saved, flops.get_total_flops(), wrote)
         self._note_params(node, inputs)
@@ -996,6 +1008,15 @@ class _Probe(fx.Interpreter):
             if id(s) not in self.static and self._group(s) is None:
                 new[id(s)] = s
         aliased = [self._group(_storage(t)) for t in outputs if self._group(_storage(t)) is not None]
+        # The model's output may gather several values (a dataclass of them is a node of its own); a call a
+        # later layer reads may not.
+        if len(set(aliased)) + bool(new) > 1 and any(user.op != "output" for user in node.users):
+            raise TraceFailure(
+                f"{_describe(node, self.module)} returns (views of) the values of "
+                f"{' and '.join(_describe(self.groups[h]['members'][0], self.module) for h in dict.fromkeys(aliased))}"
+                f"{' beside a new one' if new else ''}; an IR node is one value (NOTE [nodes are storages]), and "
+                "a plan that recomputes one of them could not tell which. Take each view in a call of its own "
+                "(a.expand(shape) and b.expand(shape) for torch.broadcast_tensors or torch.meshgrid)")
         if new:
             g = len(self.groups)
             self.groups.append(dict(members=[], final=node, bytes=sum(s.nbytes() for s in new.values()), cost=0.0, flops=0,
@@ -1053,7 +1074,8 @@ class _Probe(fx.Interpreter):
 
     def result(self, gm: fx.GraphModule, shares: dict | None = None, work: dict | None = None,
                peaks: dict | None = None, early: dict | None = None, frees: dict | None = None,
-               transients: dict | None = None, unpacks: dict | None = None, ran: set[int] | None = None) -> Traced:
+               transients: dict | None = None, unpacks: dict | None = None, ran: set[int] | None = None,
+               handed: set[tuple[int, int]] | None = None) -> Traced:
         # The probe may run a meta copy of gm: match nodes by name.
         position = {node.name: i for i, node in enumerate(gm.graph.nodes)}
         order = sorted(range(len(self.groups)), key=lambda g: position[self.groups[g]["final"].name])
@@ -1078,6 +1100,10 @@ class _Probe(fx.Interpreter):
             param_bytes[owner] += self.trainable[key]
             sharers[owner] |= readers - {owner}
         written = {key: self.buffer_of_storage[key][1] for key in self.written_buffers}
+        without_grad = [[] for _ in groups]  # what a backward that ran handed no gradient (Graph.preds_without_grad)
+        for u, v in edges if ran is not None and handed is not None else ():
+            if order[v] in reached and (order[v], order[u]) not in handed:
+                without_grad[v].append(u)
         graph = Graph(
             mem_bytes=[g["bytes"] for g in groups],
             cost=[g["cost"] for g in groups],
@@ -1104,13 +1130,16 @@ class _Probe(fx.Interpreter):
                 [(rank[h], held) for h, held in unpacks.get(g, {}).items() if h in rank] for g in order],
             early_grads=[sorted(rank[h] for h in (early or {}).get(g, ()) if (rank[h], rank[g]) in edges) for g in order],
             unreached=[rank[g] for g in order if g not in reached],
+            preds_without_grad=without_grad,
+            shared_state=[set().union(*(self.shared_state.get(node.name, ()) for node in g["members"]))
+                          for g in groups],
         )
         members = tuple(tuple(node.name for node in g["members"]) for g in groups)
         group_of = {name: i for i, names in enumerate(members) for name in names}
         return Traced(module=gm, graph=graph, members=members, group_of=group_of, fx_node_count=self.fx_count,
                       random_nodes=frozenset(self.random_nodes), written_in_place=frozenset(self.in_place_names),
                       writes_state=frozenset(self.state_writers), state_order=frozenset(self.state_order),
-                      written_buffers=frozenset(self.written_buffers.values()))
+                      written_buffers=frozenset(self.written_buffers.values()), shared_state=dict(self.shared_state))
 
     def _state_bytes(self, group: dict, written: dict[int, torch.Tensor]) -> int:
         """The copies of the state a recomputation of ``group`` starts from, one per call, held from the

@@ -135,6 +135,15 @@ class Graph:
     parameters get none, and what their layers saved (``backward_reads``, ``saved_extra_bytes``) goes at the
     loss's forward, with the outputs (NOTE [what no gradient reaches] in ``harness/trace.py``); measured
     when the graph was traced with its loss, empty on hand-written graphs.
+    ``preds_without_grad[v]`` are the predecessors the backward of ``v`` hands no gradient, though it runs
+    and they take one from elsewhere: a value ``v`` reads through ``.detach()`` (a straight-through
+    estimator's ``z + (q - z).detach()``, a stop-gradient), or one it only follows (NOTE [state the forward
+    writes] in ``harness/trace.py``); measured when the graph was traced with its loss, empty on hand-written
+    graphs, where every predecessor takes a gradient of its value's size, as seed 004 has it.
+    ``shared_state[v]`` names the state ``v``'s layers use that other nodes use too, and that the forward
+    pass uses in the program's order whatever the stages (the random generators, a buffer: a BatchNorm
+    called on two views updates its running statistics in order): a node runs after every earlier one
+    that uses the same state (``forward_order`` in ``strategies/simulate.py``); empty on hand-written graphs.
     """
 
     mem_bytes: tuple[int, ...]
@@ -165,6 +174,8 @@ class Graph:
     unpack_held_bytes: tuple[tuple[tuple[int, int], ...], ...] | None = None
     attribute_bytes: tuple[int, ...] | None = None
     unreached: tuple[int, ...] = ()
+    preds_without_grad: tuple[tuple[int, ...], ...] | None = None
+    shared_state: tuple[tuple[str, ...], ...] | None = None
     reached: tuple[bool, ...] = field(init=False, repr=False, compare=False)  # not unreached, per node
     preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
@@ -179,7 +190,8 @@ class Graph:
                  backward_work_bytes=None, loss_held_bytes=0, recompute_state_bytes=None, backward_peak_bytes=None,
                  early_grads=None, loss_forward_bytes=0, outputs=None, loss_grad_bytes=None, loss_reads=(),
                  backward_frees=None, forward_transient_bytes=None, param_sharers=None, unpack_held_bytes=None,
-                 attribute_bytes=None, unreached=(), loss_unpack_bytes=0):
+                 attribute_bytes=None, unreached=(), loss_unpack_bytes=0, preds_without_grad=None,
+                 shared_state=None):
         n = len(mem_bytes)
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
         put("mem_bytes", tuple(int(m) for m in mem_bytes))
@@ -246,6 +258,12 @@ class Graph:
         put("unreached", tuple(sorted({int(v) for v in unreached})))
         unreached_set = set(self.unreached)
         put("reached", tuple(v not in unreached_set for v in range(n)))
+        without = preds_without_grad if preds_without_grad is not None else [()] * n
+        put("preds_without_grad", tuple(tuple(sorted({int(u) for u in preds})) for preds in without))
+        state = shared_state if shared_state is not None else [()] * n
+        if len(state) != n:
+            raise ValueError("Graph: shared_state needs one entry per node")
+        put("shared_state", tuple(tuple(sorted({str(name) for name in names})) for names in state))
         _validate_backward(self)
         if min(self.loss_bytes, self.loss_held_bytes, self.loss_forward_bytes, self.loss_unpack_bytes) < 0:
             raise ValueError(f"Graph: loss_bytes, loss_held_bytes, loss_forward_bytes and loss_unpack_bytes must "
@@ -301,7 +319,7 @@ class Graph:
                  "backward_work_bytes", "loss_held_bytes", "recompute_state_bytes", "backward_peak_bytes",
                  "early_grads", "loss_forward_bytes", "outputs", "loss_grad_bytes", "loss_reads", "backward_frees",
                  "forward_transient_bytes", "param_sharers", "unpack_held_bytes", "attribute_bytes", "unreached",
-                 "loss_unpack_bytes")
+                 "loss_unpack_bytes", "preds_without_grad", "shared_state")
         return Graph(**{name: fields.get(name, getattr(self, name)) for name in names})
 
     def mem(self, nodes: int) -> int:
@@ -377,8 +395,10 @@ def _validate_backward(graph: Graph) -> None:
         raise ValueError("Graph: loss_grad_bytes needs one entry per node, none negative")
     if not set(graph.loss_reads) <= set(graph.outputs):
         raise ValueError(f"Graph: loss_reads {graph.loss_reads} must name outputs of the model {graph.outputs}")
-    if len(graph.early_grads) != n or any(not set(e) <= set(graph.preds[v]) for v, e in enumerate(graph.early_grads)):
-        raise ValueError("Graph: early_grads needs one entry per node, each naming predecessors of the node")
+    for field_name in ("early_grads", "preds_without_grad"):
+        listed = getattr(graph, field_name)
+        if len(listed) != n or any(not set(e) <= set(graph.preds[v]) for v, e in enumerate(listed)):
+            raise ValueError(f"Graph: {field_name} needs one entry per node, each naming predecessors of the node")
     for v, reads in enumerate(graph.backward_reads):
         for u in reads:
             if u != v and u not in graph.preds[v]:

@@ -275,7 +275,7 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
     # The recomputed stages that read each kept value (not those that rebuild it).
     recompute_stages = [{stage_of[w] for w in graph.succs[u] if (discarded | rebuilt) >> w & 1 and copy(u, w) == u}
                         & needed if kept >> u & 1 else set() for u in range(n)] + [set() for _ in range(n)]
-    order = sorted(range(n), key=lambda v: (stage_of[v], v))  # stage by stage, as the executor runs
+    order = forward_order(graph, stage_of)
     for u in members(plan.swapped):
         assert not recompute_stages[u], f"simulator: swapped node {u} is read by a recomputation; it must stay"
     # A recomputed layer that may write state keeps a copy of the state as its forward found it, to its
@@ -587,7 +587,7 @@ class _Gradients:
 
         frees = []
         for u in graph.preds[v] if only is None else only:
-            if not graph.reached[u]:  # it takes no gradient
+            if not graph.reached[u] or u in graph.preds_without_grad[v]:  # it takes no gradient (from v)
                 continue
             key, size = handed.get(u, (("grad", u, v), graph.mem_bytes[u]))
             old = self.buffer_of.get(u)
@@ -608,6 +608,19 @@ class _Gradients:
         self.drop(v, frees)
         frees += [key for key in made if key not in self.holders]
         return allocs, frees
+
+
+def forward_order(graph: Graph, stage_of: list[int]) -> list[int]:
+    """The nodes in the order the executor's forward pass runs them: stage by stage, in program order within
+    a stage, except that a node never runs before an earlier one that uses the same state
+    (``Graph.shared_state``): it goes with the later stage, and so does what reads it."""
+    key, last_use = [], {}
+    for v in range(len(graph)):
+        k = max([(stage_of[v], v)] + [key[u] for u in graph.preds[v]])
+        k = max([k] + [last_use[name] for name in graph.shared_state[v] if name in last_use])
+        last_use.update(dict.fromkeys(graph.shared_state[v], k))
+        key.append(k)
+    return sorted(range(len(graph)), key=lambda v: (key[v], v))
 
 
 def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, ...]) -> list[Step]:

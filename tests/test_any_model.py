@@ -194,6 +194,55 @@ def test_a_write_to_a_value_another_layer_has_read_is_refused_with_its_place():
         trace(Overwrites(), torch.randn(2, 4))
 
 
+class SeveralValues(nn.Module):
+    """Layers that make several storages at once, whose backward saves each of them: Q and R, variance and
+    mean, singular vectors and values, sorted values and their indices."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(5))
+
+    def forward(self, x):
+        h = torch.tanh(self.layers[0](x))
+        q, r = torch.linalg.qr(h.view(-1, 4, 4))
+        h = torch.tanh(self.layers[1]((q @ r.tanh()).reshape(x.shape)))
+        variance, mean = torch.var_mean(h, -1, keepdim=True)
+        h = torch.tanh(self.layers[2]((h - mean) * variance))
+        u, s, vh = torch.linalg.svd(h.view(-1, 4, 4) + 3 * torch.eye(4, dtype=h.dtype))
+        h = torch.tanh(self.layers[3]((u * s.unsqueeze(-2)).sin().reshape(x.shape) + vh.reshape(x.shape)))
+        ordered, _ = h.sort(-1)
+        return self.layers[4](ordered)
+
+
+def test_a_layer_that_makes_several_values_is_recomputed_whole_and_one_that_views_two_is_refused():
+    # A recomputation hands each token the storage it was taken from in the forward pass: handed the first
+    # output's (the executor's old way), Q's backward read R as Q and var_mean's read the variance as the
+    # mean, and the gradients were silently wrong; sort's read its values as indices and failed.
+    torch.manual_seed(0)
+    model, x = SeveralValues().double(), torch.randn(4, 16, dtype=torch.double)
+    traced = trace(model, x)
+    graph = traced.graph
+    layers = [graph.names.index(name) for name in ("linalg_qr", "var_mean", "linalg_svd", "sort")]
+    recompute_all = strategies.Plan.from_stages(graph, [strategies.bits(range(len(graph)))])
+    assert all(any(v in reads for reads in graph.backward_reads) for v in layers)
+    loss_fn = lambda out: out.square().sum()  # noqa: E731
+    for plan in (recompute_all, strategies.solve("chen_sqrt", traced.graph),
+                 strategies.solve("chen_greedy", traced.graph)):
+        assert any(plan.recomputed >> v & 1 for v in layers)
+        difference = compare(model, x, loss_fn, lambda: execute(traced, plan, x, loss_fn=loss_fn))
+        assert difference.exact, difference
+    assert all(recompute_all.recomputed >> v & 1 for v in layers)
+
+    class Broadcast(nn.Module):
+        def forward(self, x):
+            a, b = torch.broadcast_tensors(x.tanh(), x.sum(-1, keepdim=True).exp())
+            return a * b
+
+    with pytest.raises(TraceFailure, match=r"broadcast_tensors .*returns \(views of\) the values of tanh .* and "
+                                           r"exp .*Take each view in a call of its own \(a\.expand"):
+        trace(nn.Sequential(nn.Linear(4, 4), Broadcast()), torch.randn(2, 4))
+
+
 class Augmented(nn.Module):
     """Augmented assignments: in place where the model writes in place, out of place where the write
     cannot stay in place (a value another layer read first; the input)."""
@@ -834,6 +883,44 @@ def test_draws_keep_program_order_when_stages_reorder_the_forward():
     assert {"dropout", "dropout_1"} <= traced.random_nodes
     difference = compare(model, x, loss_fn, lambda: execute(traced, plan, x, loss_fn=loss_fn))
     assert difference.exact, difference
+
+
+class TwoViews(nn.Module):
+    """One encoder with a BatchNorm on two views of a batch, and a stop-gradient (SimSiam)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 32))
+        self.pred = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 32))
+
+    def forward(self, x):
+        z1, z2 = self.enc(x), self.enc(x.flip(0))
+        p1, p2 = self.pred(z1), self.pred(z2)
+        return -(F.cosine_similarity(p1, z2.detach()).mean() + F.cosine_similarity(p2, z1.detach()).mean()) / 2
+
+
+def test_a_layer_called_twice_updates_its_state_in_program_order_whatever_the_stages():
+    # A plan whose first stage holds the second view's encoder ran its BatchNorm first: the running
+    # statistics took the views in the other order (approx_dp chose such stages here). The executor and the
+    # replay both run a call that uses a buffer after every earlier call that uses it.
+    torch.manual_seed(0)
+    model, x = TwoViews().double(), torch.randn(8, 32, dtype=torch.double)
+    loss_fn = lambda out: out  # noqa: E731
+    traced = trace(model, x, loss_fn=loss_fn)
+    graph = traced.graph
+    names = graph.names
+    second_view = graph.ancestor_mask[names.index("enc_7")]
+    assert names.index("enc_1") < names.index("enc_5") and not second_view >> names.index("enc_1") & 1
+    first, second = (set(graph.shared_state[names.index(name)]) for name in ("enc_1", "enc_5"))
+    assert "enc.1.running_mean" in first & second
+    plans = [strategies.Plan.from_stages(graph, [second_view, graph.all_nodes & ~second_view]),
+             strategies.solve("approx_dp", graph)]
+    for plan in plans:
+        difference = compare(model, x, loss_fn, lambda: execute(traced, plan, x, loss_fn=loss_fn))
+        assert difference.exact, difference
+        measured = measure(lambda: execute(traced, plan, x, loss_fn=loss_fn), model, (x,), "cpu").peak_bytes
+        predicted = strategies.simulate(graph, plan).peak_bytes + fixed_bytes(model, x)
+        assert predicted == measured  # the model returns its loss, which the step holds to its end
 
 
 def test_the_loss_buffers_are_counted():
