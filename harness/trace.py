@@ -17,9 +17,9 @@ indices, batch-norm statistics, the input an in-place op saves before it writes)
 ``saved_extra_bytes``, once however many views of it are saved (an LSTM saves each step's gates as views
 of one storage).
 
-The probe also notes which fx nodes draw random numbers (``random_nodes``, from ATen's op tags): the
-executor may run the forward pass in another topological order than the program's, but never draws in
-another order.
+The probe also notes the state each fx node uses (``shared_state``): the generators, if it draws random
+numbers (from ATen's op tags), and the buffers it can reach. The executor may run the forward pass in
+another topological order than the program's, but never uses the same state in another order.
 
 An in-place write to a value that a node of *another* IR node has already read (``y = x + 1;
 x.relu_()``) is refused: a recomputation of ``y`` would read the written ``x``, and one IR node per
@@ -220,13 +220,17 @@ class Traced:
     members: tuple[tuple[str, ...], ...]  # fx node names of each IR node, in execution order
     group_of: dict[str, int]  # fx node name -> IR node, for the fx nodes that belong to one
     fx_node_count: int  # layer calls (fx nodes other than inputs, attributes and the output)
-    random_nodes: frozenset[str] = frozenset()  # fx nodes that draw random numbers (the executor keeps their order)
     written_in_place: frozenset[str] = frozenset()  # fx nodes that write their IR node's storage in place
     writes_state: frozenset[str] = frozenset()  # fx nodes that write an input, parameter or buffer in place
     state_order: frozenset[tuple[str, str]] = frozenset()  # (reader, writer): a buffer read before a write
     written_buffers: frozenset[str] = frozenset()  # buffers such a write writes
     # fx node -> the state it uses in the program's order: "generators" (it draws), buffers it can reach
     shared_state: dict[str, frozenset[str]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def random_nodes(self) -> frozenset[str]:
+        """The fx nodes that draw random numbers."""
+        return frozenset(name for name, state in self.shared_state.items() if "generators" in state)
 
 
 class TraceFailure(RuntimeError):
@@ -881,7 +885,6 @@ class _Probe(fx.Interpreter):
         self.groups: list[dict] = []  # each: members, bytes, cost, reads, extra, params, kind
         self.group_of: dict[str, int] = {}
         self.fx_count = 0
-        self.random_nodes: set[str] = set()
         self.readers: dict[int, dict[int, fx.Node]] = {}  # IR node -> {IR node reading it: first reading fx node}
         self._keep_alive = []  # meta tensors are free; holding them keeps storage ids unique
         self.autograd_group: dict[object, int] = {}  # autograd node -> the IR node whose layer made it
@@ -934,8 +937,6 @@ class _Probe(fx.Interpreter):
                     ".tolist()); the trace sizes every value on meta, which holds none (a BatchNorm with "
                     "momentum=None divides by its num_batches_tracked: give it a momentum); keep such a value a "
                     "tensor") from error
-        if draws.seen:
-            self.random_nodes.add(node.name)
         reached = [*inputs, *(self.module.get_submodule(node.target).buffers() if node.op == "call_module" else ())]
         state = {self.buffer_names[id(t)] for t in reached if id(t) in self.buffer_names} | (
             {"generators"} if draws.seen else set())
@@ -1137,7 +1138,7 @@ class _Probe(fx.Interpreter):
         members = tuple(tuple(node.name for node in g["members"]) for g in groups)
         group_of = {name: i for i, names in enumerate(members) for name in names}
         return Traced(module=gm, graph=graph, members=members, group_of=group_of, fx_node_count=self.fx_count,
-                      random_nodes=frozenset(self.random_nodes), written_in_place=frozenset(self.in_place_names),
+                      written_in_place=frozenset(self.in_place_names),
                       writes_state=frozenset(self.state_writers), state_order=frozenset(self.state_order),
                       written_buffers=frozenset(self.written_buffers.values()), shared_state=dict(self.shared_state))
 
