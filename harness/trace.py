@@ -56,6 +56,14 @@ branch the block computes between ``bn3`` and the addition sits between its memb
   on by the addition) before the batch norm's backward reads its input: ``Graph.early_grads``, which the
   replay makes in the node's first backward step.
 
+NOTE [one input]
+The harness feeds a model one tensor, the forward's first argument. Hugging Face-style forwards take more
+(``attention_mask=None``, ``return_dict=True``) and branch on them; traced as proxies, ``if attention_mask
+is not None`` takes the branch (the program multiplied by None) and ``if return_dict`` is control flow fx
+refuses. So each argument after the first is traced fixed at its default (fx's ``concrete_args``, the
+program the model runs when called with the input alone), and fx's checks that it is given so are taken
+out; an argument with no default is refused, naming it.
+
 NOTE [grad mode]
 torch.fx records calls, not the grad mode they ran in: a ``with torch.no_grad():`` block in a forward (an
 EMA update, a codebook assignment, a statistic used as a constant) would run with autograd on, and
@@ -187,6 +195,7 @@ import copy
 import dataclasses
 import functools
 import gc
+import inspect
 import operator
 import random
 import re
@@ -736,8 +745,10 @@ def _fx_trace(model: torch.nn.Module, proxy_buffers: bool) -> fx.GraphModule:
         tracer = _Tracer()
         tracer.proxy_buffer_attributes = proxy_buffers
         attributes = {id(m): dict(vars(m)) for m in model.modules()}
+        concrete = _one_input(model)
         with torch.enable_grad(), _functions_as_calls(), _DrawsAsCalls(tracer):
-            graph = tracer.trace(model)
+            graph = tracer.trace(model, concrete_args=concrete or None)
+        _drop_specialisation_checks(graph)
         kept = _proxies_kept(model, attributes)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         gm.meta["kept_as_attributes"] = kept  # NOTE [values held outside the program]
@@ -754,6 +765,33 @@ def _fx_trace(model: torch.nn.Module, proxy_buffers: bool) -> fx.GraphModule:
             "the executor would run another program than the model's (NOTE [autocast in the forward]). Take the "
             "autocast out of the forward; the harness trains in the parameters' dtype")
     return gm
+
+
+def _one_input(model: torch.nn.Module) -> dict:
+    """The forward's arguments after the first, fixed at their defaults (NOTE [one input]); a tensor default
+    stays an argument, which the probe and the executor give its default."""
+    plain = [p for p in inspect.signature(model.forward).parameters.values()
+             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if required := [p.name for p in plain[1:] if p.default is p.empty]:
+        raise TraceFailure(
+            f"{type(model).__name__}.forward takes {', '.join(p.name for p in plain)}, and the harness feeds a model "
+            f"one input: {', '.join(map(repr, required))} {'has' if len(required) == 1 else 'have'} no default. Give "
+            f"{'it' if len(required) == 1 else 'them'} a default, or wrap the model in a module whose forward takes "
+            f"{plain[0].name!r} alone and makes the rest from it (an attention mask from the token ids)")
+    return {p.name: p.default for p in plain[1:] if p.default is None or isinstance(p.default, (bool, int, float, str))}
+
+
+def _drop_specialisation_checks(graph: fx.Graph):
+    """Takes out the checks fx adds for each fixed argument (that it is given its default): the harness
+    never passes one, and they are no layers."""
+    checks = [n for n in graph.nodes if n.op == "call_function" and len(n.args) == 2
+              and n.target in (torch._assert, fx._symbolic_trace._assert_is_none)
+              and "has been specialized to have value" in str(n.args[1])]
+    for check in reversed(checks):
+        tested = check.args[0]
+        graph.erase_node(check)
+        if tested.op == "call_function" and not tested.users:
+            graph.erase_node(tested)
 
 
 def _opaque_output(output) -> str:

@@ -741,6 +741,49 @@ def test_an_output_pytree_cannot_see_and_a_sparse_gradient_are_refused_naming_th
     assert compare(model, x.double(), loss_fn, lambda: execute(traced, plan, x.double(), loss_fn=loss_fn)).exact
 
 
+class OptionalArguments(nn.Module):
+    """A Hugging Face-style forward: the input, then arguments the harness never passes, which branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x, attention_mask=None, scale: float = 2.0, causal=False, return_dict=True):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+            if attention_mask is not None:
+                x = x * attention_mask
+            if causal:
+                x = x.tril()
+        return {"out": x * scale} if return_dict else x * scale
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(16, 16)
+
+    def forward(self, x, mask):
+        return self.layer(x) * mask
+
+
+def test_a_forwards_other_arguments_take_their_defaults_and_one_without_is_refused():
+    # Traced as proxies, ``attention_mask=None`` ran the masked branch (a TypeError on None) and
+    # ``return_dict`` was refused as control flow; a required second input crashed in fx's interpreter.
+    x = torch.randn(8, 16, dtype=torch.float64)
+    loss_fn = lambda out: out["out"].square().mean()  # noqa: E731
+    model = OptionalArguments().double()
+    traced = trace(model, x, loss_fn=loss_fn)
+    assert not any(n.op == "call_function" and "assert" in str(n.target) for n in traced.module.graph.nodes)
+    for name in ("approx_dp", "chen_sqrt"):
+        plan = strategies.solve(name, traced.graph)
+        assert plan.recomputed
+        assert compare(model, x, loss_fn, lambda: execute(traced, plan, x, loss_fn=loss_fn)).exact
+    with pytest.raises(TraceFailure, match=r"TwoInputs.forward takes x, mask, and the harness feeds a model one "
+                                           r"input: 'mask' has no default.*whose forward takes 'x' alone"):
+        trace(TwoInputs(), x)
+
+
 def test_unknown_names_list_the_near_matches():
     with pytest.raises(KeyError, match="near matches: convnext_tiny"):
         nets.spec("torchvision:convnext_tiyn")
