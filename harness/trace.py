@@ -156,8 +156,11 @@ The layer saves that weight for its backward, but dropping the saved tensor free
 holds it to the step's end whatever the plan, and a recomputation makes another while the first is
 still there. So what a layer saves that a module keeps as an attribute after the forward is not a
 saved extra but ``Graph.attribute_bytes``, made by the layer's first call and held to the end; each
-recomputation holds a second one while it runs. Counted as a saved extra, which a plan that recomputes
-the layer drops, such a discriminator's plans were predicted 2-3% low.
+recomputation's pre-hook makes a second one, which replaces the first before the layer runs. Counted as
+a saved extra, which a plan that recomputes the layer drops, such a discriminator's plans were predicted
+2-3% low. A layer that does not save it (a product whose input takes no gradient saves no weight) leaves
+it on the module all the same: the probe notes every tensor a module call leaves as an attribute, saved
+or not, and only what the layer saves (``Graph.attribute_saved``) calls for its recomputation.
 
 NOTE [parameter gradients]
 A parameter's gradient is made once, by the first backward in the step that reaches it, and stays to the
@@ -964,6 +967,8 @@ class _Probe(fx.Interpreter):
         versions = [t._version for t in inputs]
         draws = _Draws()
         self.node_inputs[node.name] = inputs  # which buffers a later node writes is known at the end
+        called = self.module.get_submodule(node.target) if node.op == "call_module" else None
+        attributes_before = {id(_storage(t)) for t in non_leaf_attributes(called)} if called is not None else set()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, draws, grad_mode(node):
             try:
                 result = super().run_node(node)
@@ -982,6 +987,11 @@ class _Probe(fx.Interpreter):
             self.shared_state[node.name] = frozenset(state)
         wrote = any(t._version != v for t, v in zip(inputs, versions) if id(_storage(t)) not in self.static)
         self._record(node, result, saved, flops.get_total_flops(), wrote)
+        if called is not None and (g := self.group_of.get(node.name)) is not None:  # NOTE [tensors a module keeps]
+            made = [t for t in non_leaf_attributes(called)
+                    if id(_storage(t)) not in attributes_before and self._group(_storage(t)) is None]
+            self.groups[g]["made_attributes"].update((id(_storage(t)), _storage(t).nbytes()) for t in made)
+            self._keep_alive += made
         self._note_params(node, inputs)
         self._note_state(node, inputs, versions)
         return result
@@ -1059,7 +1069,7 @@ class _Probe(fx.Interpreter):
         if new:
             g = len(self.groups)
             self.groups.append(dict(members=[], final=node, bytes=sum(s.nbytes() for s in new.values()), cost=0.0, flops=0,
-                                    reads=set(), extra={}, params=set(), after=set(),
+                                    reads=set(), extra={}, made_attributes={}, params=set(), after=set(),
                                     kind=_kind(node, self.module)))
             for s in new.values():
                 self.group_of_storage[id(s)] = (weakref.ref(s), g)
@@ -1152,7 +1162,9 @@ class _Probe(fx.Interpreter):
             backward_reads=[sorted(rank[h] for h in g["reads"]) for g in groups],
             saved_extra_bytes=[sum(b for key, b in g["extra"].items() if key not in self.kept_by_modules)
                                for g in groups],
-            attribute_bytes=[sum(b for key, b in g["extra"].items() if key in self.kept_by_modules) for g in groups],
+            attribute_bytes=[sum(b for key, b in {**g["made_attributes"], **g["extra"]}.items()
+                                 if key in self.kept_by_modules) for g in groups],
+            attribute_saved=[any(key in self.kept_by_modules for key in g["extra"]) for g in groups],
             param_bytes=param_bytes, param_sharers=[sorted(s) for s in sharers],
             scopes=[_scope(g["final"]) for g in groups],
             flops=[g["flops"] for g in groups],

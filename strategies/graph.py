@@ -123,10 +123,11 @@ class Graph:
     and what it holds then above what was live as it began (a weight-normalised layer's product has made
     its weight's gradient before the normalisation's backward unpacks its norms); a recomputation that
     unpack calls for runs on top of that. Measured in a plain step, None on hand-written graphs.
-    ``attribute_bytes[v]`` is what ``v``'s layer saves that a module keeps as an attribute (the weight the
+    ``attribute_bytes[v]`` is what ``v``'s layer call leaves on a module as an attribute (the weight the
     pre-hook ``spectral_norm`` computes): made by its first call and held to the step's end whatever the
     plan, one more held while a recomputation runs (NOTE [tensors a module keeps] in
-    ``harness/trace.py``); zero on hand-written graphs.
+    ``harness/trace.py``); zero on hand-written graphs. ``attribute_saved[v]``: the layer saves it for its
+    backward too, which then calls for ``v``'s recomputation where a plan discards it.
     ``early_grads[v]`` are the predecessors whose gradient ``v``'s in-place members make, before the rest
     of its layer's backward runs (torchvision's ``out += identity`` after a batch norm: the addition hands
     the identity its gradient, then the batch norm's backward runs); empty on hand-written graphs.
@@ -173,6 +174,7 @@ class Graph:
     forward_transient_bytes: tuple[int, ...] | None = None
     unpack_held_bytes: tuple[tuple[tuple[int, int], ...], ...] | None = None
     attribute_bytes: tuple[int, ...] | None = None
+    attribute_saved: tuple[bool, ...] | None = None
     unreached: tuple[int, ...] = ()
     preds_without_grad: tuple[tuple[int, ...], ...] | None = None
     shared_state: tuple[tuple[str, ...], ...] | None = None
@@ -191,7 +193,7 @@ class Graph:
                  early_grads=None, loss_forward_bytes=0, outputs=None, loss_grad_bytes=None, loss_reads=(),
                  backward_frees=None, forward_transient_bytes=None, param_sharers=None, unpack_held_bytes=None,
                  attribute_bytes=None, unreached=(), loss_unpack_bytes=0, preds_without_grad=None,
-                 shared_state=None):
+                 shared_state=None, attribute_saved=None):
         n = len(mem_bytes)
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
         put("mem_bytes", tuple(int(m) for m in mem_bytes))
@@ -255,6 +257,8 @@ class Graph:
         put("unpack_held_bytes", None if unpack_held_bytes is None else
             tuple(tuple((int(u), int(b)) for u, b in firsts) for firsts in unpack_held_bytes))
         put("attribute_bytes", tuple(int(b) for b in (attribute_bytes if attribute_bytes is not None else [0] * n)))
+        put("attribute_saved", tuple(bool(b) for b in (attribute_saved if attribute_saved is not None else
+                                                       [b > 0 for b in self.attribute_bytes])))
         put("unreached", tuple(sorted({int(v) for v in unreached})))
         unreached_set = set(self.unreached)
         put("reached", tuple(v not in unreached_set for v in range(n)))
@@ -319,8 +323,13 @@ class Graph:
                  "backward_work_bytes", "loss_held_bytes", "recompute_state_bytes", "backward_peak_bytes",
                  "early_grads", "loss_forward_bytes", "outputs", "loss_grad_bytes", "loss_reads", "backward_frees",
                  "forward_transient_bytes", "param_sharers", "unpack_held_bytes", "attribute_bytes", "unreached",
-                 "loss_unpack_bytes", "preds_without_grad", "shared_state")
+                 "loss_unpack_bytes", "preds_without_grad", "shared_state", "attribute_saved")
         return Graph(**{name: fields.get(name, getattr(self, name)) for name in names})
+
+    def saves_more(self, v: int) -> bool:
+        """``v``'s layer saves for its backward a tensor that is no node's value (an extra, or what its module
+        keeps), so a plan that discards ``v`` recomputes it for that backward."""
+        return bool(self.saved_extra_bytes[v] or self.attribute_saved[v])
 
     def mem(self, nodes: int) -> int:
         return sum(map(self.mem_bytes.__getitem__, members(nodes)))
@@ -367,9 +376,9 @@ def _validate_backward(graph: Graph) -> None:
             raise ValueError(f"Graph: param_sharers of node {v} ({graph.names[v]}) must be other nodes, got "
                              f"{list(sharers)}")
     if (len(graph.grad_shares) != n or len(graph.backward_work_bytes) != n or len(graph.recompute_state_bytes) != n
-            or len(graph.attribute_bytes) != n):
-        raise ValueError("Graph: grad_shares, backward_work_bytes, recompute_state_bytes and attribute_bytes need "
-                         "one entry per node")
+            or len(graph.attribute_bytes) != n or len(graph.attribute_saved) != n):
+        raise ValueError("Graph: grad_shares, backward_work_bytes, recompute_state_bytes, attribute_bytes and "
+                         "attribute_saved need one entry per node")
     if not all(0 <= v < n for v in graph.unreached):
         raise ValueError(f"Graph: unreached {graph.unreached} must be nodes 0..{n - 1}")
     for v in graph.unreached:

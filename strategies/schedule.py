@@ -122,7 +122,7 @@ def from_plan(graph: Graph, plan: Plan, loss_reads_outputs: bool = True) -> tupl
     recomputed_stages: set[int] = set()
     for t in range(n, size):
         v = backward_node(n, t)  # its backward needs the record of a computation: a recomputed one's extras
-        needs = [*tg.deps[t], *([v] if graph.saved_extra_bytes[v] and graph.reached[v] else [])]
+        needs = [*tg.deps[t], *([v] if graph.saves_more(v) and graph.reached[v] else [])]
         for u in needs:
             if u < n and discarded >> u & 1 and stage_of[u] not in recomputed_stages:
                 recomputed_stages.add(stage_of[u])

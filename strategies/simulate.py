@@ -271,7 +271,7 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
     for u in graph.loss_reads:
         readers[u].append(-1)  # the loss's backward, at the turn
     needed = called_for(graph, plan) | {stage_of[u] for u in members(rebuilt)
-                                        if readers[u] or readers[u + n] or graph.saved_extra_bytes[u]}
+                                        if readers[u] or readers[u + n] or graph.saves_more(u)}
     # The recomputed stages that read each kept value (not those that rebuild it).
     recompute_stages = [{stage_of[w] for w in graph.succs[u] if (discarded | rebuilt) >> w & 1 and copy(u, w) == u}
                         & needed if kept >> u & 1 else set() for u in range(n)] + [set() for _ in range(n)]
@@ -307,7 +307,7 @@ def called_for(graph: Graph, plan: Plan) -> set[int]:
     read = graph.read_by_backward() | set(graph.loss_reads)
     stage_of = plan.stage_of(len(graph))
     return {stage_of[u] for u in members(plan.recomputed)
-            if u in read or graph.reached[u] and (graph.saved_extra_bytes[u] or graph.attribute_bytes[u])}
+            if u in read or graph.reached[u] and graph.saves_more(u)}
 
 
 def _frame_holds(graph: Graph, plan: Plan, stage_of: list[int]) -> dict[int, list[int]]:
@@ -419,7 +419,7 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
 
     fetched = fetch(-1)
     recomputed = set()
-    extras_present = [bool(graph.saved_extra_bytes[v] and (plan.kept & ~in_checkpoint) >> v & 1 and graph.reached[v])
+    extras_present = [bool(graph.saves_more(v) and (plan.kept & ~in_checkpoint) >> v & 1 and graph.reached[v])
                       for v in range(n)]
 
     def recompute(stages):
@@ -433,7 +433,7 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
             steps.extend(_recompute_stage(graph, nodes, copy, s, present, readers_left, stages_left,
                                           release_if_done, bool(plan.checkpointed >> s & 1)))
             for w in nodes:
-                extras_present[w % n] = bool(graph.saved_extra_bytes[w % n] and graph.reached[w % n])
+                extras_present[w % n] = bool(graph.saves_more(w % n) and graph.reached[w % n])
 
     # The loss's backward reads the outputs it saved; one the plan discarded comes back with its stage, on
     # top of the loss's value and the seed gradient ``backward`` made first.
@@ -485,7 +485,7 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
         missing = {stage_of[u % n] for u in reads if not present[u]}
         assert all(present[u] for u in reads if plan.swapped >> u & 1), \
             f"simulator: the backward of node {v} reads a swapped value before its prefetch"
-        extras_missing = bool(graph.saved_extra_bytes[v] and not extras_present[v])
+        extras_missing = bool(graph.saves_more(v) and not extras_present[v])
         if extras_missing:
             missing.add(stage_of[v])
         # The layer's backward may run a while before it unpacks what it must wait for (NOTE [a layer's
@@ -510,7 +510,7 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
         if work:
             frees.append(("work", v))
         if extras_present[v]:
-            frees.append(("extra", v))
+            frees += [("extra", v)] if graph.saved_extra_bytes[v] else []
             extras_present[v] = False
         steps.append(Step(v, "backward", tuple(allocs), tuple(frees)))
     steps.append(_end(graph, gradients))
@@ -723,6 +723,7 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
                 elif t != k:
                     frees.append(("state", k))
             _transient(graph, k, allocs, frees, first=t == k)
+            steps += [] if t == k else _attribute_again(graph, k)
             present |= 1 << k
             # nothing reads it before its next computation (an output: the loss, at the turn)
             if not held_next >> k & 1 and not read_later(row, k, k) and not (t < n and outputs >> k & 1):
@@ -790,16 +791,23 @@ def _held_at_unpack(graph: Graph, v: int, missing) -> int:
 
 def _transient(graph: Graph, v: int, allocs: list, frees: list, first: bool):
     """What a call of ``v``'s layer holds while it runs above what it leaves (``Graph.forward_transient_bytes``):
-    gone by the step's end; and what it leaves on a module (``Graph.attribute_bytes``): from its ``first``
-    call to the step's end, and a second one while a later call runs, until it replaces the first."""
+    gone by the step's end; and what it leaves on a module (``Graph.attribute_bytes``), from its ``first``
+    call to the step's end (a later call's is ``_attribute_again``)."""
     if graph.forward_transient_bytes is not None and graph.forward_transient_bytes[v]:
         allocs.append((("transient", v), graph.forward_transient_bytes[v]))
         frees.append(("transient", v))
-    if graph.attribute_bytes[v]:
-        key = ("attribute", v) if first else ("attribute_again", v)
-        allocs.append((key, graph.attribute_bytes[v]))
-        if not first:
-            frees.append(key)
+    if graph.attribute_bytes[v] and first:
+        allocs.append((("attribute", v), graph.attribute_bytes[v]))
+
+
+def _attribute_again(graph: Graph, v: int) -> list[Step]:
+    """Before a later call of ``v``'s layer runs, its pre-hook makes the module's attribute again, and
+    setting it frees the one before (NOTE [tensors a module keeps] in ``harness/trace.py``): both are
+    there for that moment alone, before the layer allocates anything."""
+    if not graph.attribute_bytes[v]:
+        return []
+    key = ("attribute_again", v)
+    return [Step(v, "recompute", ((key, graph.attribute_bytes[v]),), (key,))]
 
 
 def _turn(graph: Graph, gradients: "_Gradients", fetched=(), loss_held: bool = True) -> Step:
@@ -855,6 +863,7 @@ def _recompute_stage(graph, nodes, copy, s, present, readers_left, stages_left, 
                 allocs.append((("state", o), graph.recompute_state_bytes[o]))
             frees.append(("state", o))
         _transient(graph, o, allocs, frees, first=False)
+        steps += _attribute_again(graph, o)
         steps.append(Step(o, "recompute", tuple(allocs), tuple(frees)))
     for u in range(n):
         if s in stages_left[u]:  # this stage's recomputation was the last reader of a kept value
