@@ -331,6 +331,59 @@ def test_what_a_module_keeps_counts_whether_or_not_its_layer_saves_it(norm):
         model.zero_grad(set_to_none=True)
 
 
+class ScaledAttention(nn.Module):
+    """Attention on scaled queries and keys: values of their own, which only the attention reads."""
+
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q * 0.5, k * 0.5, v)
+        return torch.tanh(self.out(attended.transpose(1, 2).reshape(batch, length, width)))
+
+
+def test_attention_is_traced_as_the_cpu_runs_it():
+    # On meta, scaled_dot_product_attention runs its math path (the attention matrix, the scaled keys'
+    # transpose); on the CPU its fused kernel, which saves the keys themselves. Traced on meta, a plan that
+    # discarded the keys crashed on the CPU ("a backward saved what ['mul_1'] compute") and the others'
+    # peaks were 3-8% off; now the trace asks the CPU which kernel it would run (NOTE [attention on the
+    # device]), and every plan is exact and measured as replayed.
+    from harness.exact import compare
+    from harness.trace import _attention_on_cpu
+
+    def saved(attention, device, **options):
+        q, k, v = (torch.randn(2, 4, 9, 8, device=device, requires_grad=True) for _ in range(3))
+        options = {key: value.to(device) if isinstance(value, torch.Tensor) else value
+                   for key, value in options.items()}
+        tensors = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: tensors.append(t) or t, lambda t: t):
+            out = attention(q, k, v, **options)
+        out.sum().backward()  # the fused kernel's backward runs on meta too
+        return out.grad_fn.name(), [(t.shape, t.dtype, t.stride()) for t in tensors]
+
+    for options in ({}, {"is_causal": True}, {"dropout_p": 0.1}, {"attn_mask": torch.rand(9, 9) > 0.3},
+                    {"attn_mask": torch.randn(2, 1, 9, 9)}):
+        assert saved(F.scaled_dot_product_attention, "cpu", **options) == saved(_attention_on_cpu, "meta", **options)
+    torch.manual_seed(0)
+    model, x = nn.Sequential(ScaledAttention(), ScaledAttention()).double(), torch.randn(2, 16, 32, dtype=torch.float64)
+    loss_fn = lambda out: out.square().mean()  # noqa: E731
+    traced = trace(model, x, loss_fn=loss_fn)
+    graph = traced.graph
+    attention = graph.names.index("scaled_dot_product_attention")
+    assert set(graph.preds[attention]) <= set(graph.backward_reads[attention])  # q, k and v themselves
+    n = len(graph)
+    for cuts in itertools.combinations(range(1, n), 2):
+        bounds = [0, *cuts, n]
+        plan = strategies.Plan.from_stages(graph, [strategies.bits(range(a, b)) for a, b in zip(bounds, bounds[1:])])
+        step = lambda: execute(traced, plan, x, loss_fn=loss_fn)  # noqa: E731
+        assert compare(model, x, loss_fn, step).exact, cuts
+        measured = measure(step, model, (x,), "cpu", warmup_steps=0, timed_steps=1).peak_bytes
+        assert measured == strategies.simulate(graph, plan).peak_bytes + fixed_bytes(model, x), cuts
+
+
 class AppliedFourTimes(nn.Module):
     """One block applied four times (ALBERT, universal transformers): its parameters take one gradient."""
 
