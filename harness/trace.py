@@ -686,6 +686,8 @@ def _attention_as_on(device: torch.device, gm: fx.GraphModule):
         torch.nn.functional.scaled_dot_product_attention = _ATTENTION
         for node in nodes:
             node.target = _ATTENTION
+        if nodes:
+            gm.recompile()  # its code may have been made meanwhile (augmented assignments turned out of place)
 
 
 def _attention_on_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
