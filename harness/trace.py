@@ -186,7 +186,11 @@ block applied four times had its gradients counted four times (+48% on its step'
 encoder's twice, +21%); counted for modules only, a bare parameter's gradient was left out (-1% on a
 LoRA model under ``chen_sqrt``, whose low-rank factors are bare parameters).
 Only a backward that runs makes gradients: a parameter that only unreached layers read (NOTE [what no
-gradient reaches]) gets none and is not counted.
+gradient reaches]) gets none and is not counted. A gradient holds what its storage holds, seen after the
+plain step on meta: autograd keeps the gradient it is handed where it can, and a slice of a larger one (a
+``torch.cat`` of a query bias, a zero key bias and a value bias, as EVA's attention builds its bias)
+keeps that whole gradient alive to the step's end, shared by the parameters it was cut for. Counted at
+their sizes, an EVA-02's plans were predicted 768 bytes per block low.
 
 NOTE [what no gradient reaches]
 Not every layer's backward runs. An output the loss leaves out (an auxiliary classifier, torchvision's
@@ -295,8 +299,9 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
             gm.recompile()
         loss_fn = loss_fn or sum_loss  # the executor's default
         shares, work, early, ran, handed = _gradients(probe, output, loss_fn)
-        peaks, frees, transients, unpacks, held = _backward_peaks(meta_module, probe.group_of, probe.view_names,
-                                                                  example_input, loss_fn)
+        peaks, frees, transients, unpacks, held, grad_bytes = _backward_peaks(
+            meta_module, probe.group_of, probe.view_names, example_input, loss_fn)
+        probe.trainable.update((key, b) for key, b in grad_bytes.items() if key in probe.trainable)
         if held:  # NOTE [values held outside the program]
             layer = _describe(probe.groups[min(held)]["members"][0], meta_module)
             raise TraceFailure(
@@ -408,8 +413,9 @@ def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set
     went (``Graph.backward_frees``), the most its forward call held above what it left
     (``Graph.forward_transient_bytes``), and what its backward held above what was live as it began the
     first time it unpacked each IR node's value or, its own, what it saved besides
-    (``Graph.unpack_held_bytes``); last, the layers whose value outlives the step (NOTE [values held
-    outside the program])."""
+    (``Graph.unpack_held_bytes``); the layers whose value outlives the step (NOTE [values held outside
+    the program]); last, the bytes each parameter's gradient holds, by parameter storage (NOTE
+    [parameter gradients])."""
     from harness.measure import MemoryTracker
 
     layers: dict[object, int] = {}  # autograd node -> the probe group whose layer call made it
@@ -491,12 +497,19 @@ def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set
         # that kept what an unreached branch saved alive after the step (NOTE [values held outside the program]).
         with torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, unpack):
             loss_fn(Claiming(module).run(x)).backward()
+    # What each parameter's gradient holds: a gradient autograd hands a parameter as a view of a larger
+    # one it keeps as it is (a ``torch.cat`` of biases), which then lives to the step's end whole.
+    grad_bytes, counted = {}, set()
+    for p in module.parameters():
+        if p.grad is not None:
+            grad_bytes[id(_storage(p))] = 0 if id(_storage(p.grad)) in counted else _storage(p.grad).nbytes()
+            counted.add(id(_storage(p.grad)))
     module.zero_grad(set_to_none=True)
     layers.clear()  # the autograd nodes no backward ran (an unused branch's) hold what they saved
     if values:  # what a reference cycle holds (a Function's ctx) goes at the next collection
         gc.collect()
     held = {g for key, g in values.items() if key not in static}  # still alive (NOTE [values held outside
-    return tracker.peaks, tracker.frees, transients, unpacks, held  # the program])
+    return tracker.peaks, tracker.frees, transients, unpacks, held, grad_bytes  # the program])
 
 
 def _new_autograd_nodes(outputs, known: dict) -> list:
@@ -698,7 +711,7 @@ def _attention_on_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causa
     if query.device.type == "meta" and not enable_gqa:
         with _disable_current_modes():  # no tracker counts the empty tensors
             like = [None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-                    for t in (query, key, value, attn_mask)]
+                    .requires_grad_(t.requires_grad) for t in (query, key, value, attn_mask)]
             choice = torch._fused_sdp_choice(*like, dropout_p, is_causal, scale=scale)
             del like
         if choice == torch.nn.attention.SDPBackend.FLASH_ATTENTION.value:
