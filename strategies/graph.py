@@ -125,7 +125,7 @@ class Graph:
     unpack calls for runs on top of that. Measured in a plain step, None on hand-written graphs.
     ``attribute_bytes[v]`` is what ``v``'s layer call leaves on a module as an attribute (the weight the
     pre-hook ``spectral_norm`` computes): made by its first call and held to the step's end whatever the
-    plan, one more held while a recomputation runs (NOTE [tensors a module keeps] in
+    plan, and made again by a recomputation's pre-hook, a moment before its layer runs (NOTE [tensors a module keeps] in
     ``harness/trace.py``); zero on hand-written graphs. ``attribute_saved[v]``: the layer saves it for its
     backward too, which then calls for ``v``'s recomputation where a plan discards it.
     ``early_grads[v]`` are the predecessors whose gradient ``v``'s in-place members make, before the rest
