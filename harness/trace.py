@@ -1050,7 +1050,7 @@ class _Probe(fx.Interpreter):
                     ".tolist()); the trace sizes every value on meta, which holds none (a BatchNorm with "
                     "momentum=None divides by its num_batches_tracked: give it a momentum); keep such a value a "
                     "tensor") from error
-        reached = [*inputs, *(self.module.get_submodule(node.target).buffers() if node.op == "call_module" else ())]
+        reached = [*inputs, *(called.buffers() if called is not None else ())]
         state = {self.buffer_names[id(t)] for t in reached if id(t) in self.buffer_names} | (
             {"generators"} if draws.seen else set())
         if state:
