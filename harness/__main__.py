@@ -14,8 +14,8 @@ import strategies
 def main(cfg: DictConfig) -> None:
     if "net" not in cfg:
         raise SystemExit(f"choose a net with +net=NAME; valid nets: {', '.join(nets.available())}; any other "
-                         "model: +net=torchvision net.name=NAME, +net=timm net.name=NAME, +net=module "
-                         "net.target=PACKAGE.MODULE:FACTORY")
+                         "model: +net=torchvision net.name=NAME, +net=timm net.name=NAME, +net=hf "
+                         "net.name=MODEL_TYPE, +net=module net.target=PACKAGE.MODULE:FACTORY")
     if "strategy" not in cfg:
         raise SystemExit(f"choose a strategy with +strategy=NAME; valid strategies: {', '.join(strategies.available())}")
     run_cell(net_name(cfg.net), cfg.strategy.name, batch_size=cfg.batch_size, image_size=cfg.image_size,
@@ -27,18 +27,19 @@ def main(cfg: DictConfig) -> None:
 
 def net_name(net: DictConfig) -> str:
     """A zoo net's name, or ``SOURCE:NAME`` for a model of another source (configs/net/{torchvision,timm,
-    module}.yaml)."""
+    hf,module}.yaml)."""
     source = net.get("source", "zoo")
     return net.name if source == "zoo" else f"{source}:{net.name}"
 
 
 def net_options(net: DictConfig) -> dict:
-    """The options a source model was given, less those left at their defaults (they name the row file)."""
+    """The options a source model was given, less those left at their defaults or null (they name the row
+    file)."""
     if "options" not in net:
         return {}
     options = OmegaConf.to_container(net.options, resolve=True)
     defaults = {"kwargs": {}, "input": "image", "channels": 3, "vocab_size": None, "loss": None}
-    return {key: value for key, value in options.items() if defaults.get(key, object()) != value}
+    return {key: value for key, value in options.items() if value is not None and defaults.get(key, object()) != value}
 
 
 if __name__ == "__main__":

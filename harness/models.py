@@ -5,6 +5,10 @@
 - ``timm:NAME``: ``timm.create_model(NAME, pretrained=False)``; its default input side from its config.
 - ``module:PACKAGE.MODULE:FACTORY``: a user's own factory, imported and called; it must return an
   ``nn.Module``.
+- ``hf:MODEL_TYPE``: a Hugging Face ``transformers`` causal language model made from its config class's
+  defaults (``AutoConfig.for_model``; ``kwargs`` are config fields, e.g. ``{num_hidden_layers: 2}``), never
+  pretrained: ``hf:gpt2`` is GPT-2 small, ``hf:llama`` Llama 2 7B. Fed token ids, it returns the logits,
+  without a KV cache; the loss is next-token cross-entropy.
 
 Options (``nets.build(name, **options)``; on the command line ``net.options.KEY=VALUE``):
 ``kwargs`` (the builder's keyword arguments, e.g. ``{image_size: 32}`` for ``vit_b_16``, ``{img_size:
@@ -24,7 +28,7 @@ from torch import nn
 
 from harness.nets import LOSSES, NetSpec
 
-SOURCES = ("torchvision", "timm", "module")
+SOURCES = ("torchvision", "timm", "module", "hf")
 DEFAULT_BATCH = 32
 OPTIONS = ("kwargs", "input", "channels", "vocab_size", "loss")
 
@@ -35,9 +39,9 @@ def spec(name: str, **options) -> NetSpec:
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ValueError(f"unknown net options {unknown}; valid: {', '.join(OPTIONS)}")
-    if options.get("loss", "classification") not in LOSSES:
+    if (options.get("loss") or "classification") not in LOSSES:
         raise ValueError(f"unknown loss {options['loss']!r}; valid: {', '.join(LOSSES)}")
-    if options.get("input", "image") not in ("image", "tokens"):
+    if (options.get("input") or "image") not in ("image", "tokens"):
         raise ValueError(f"unknown input {options['input']!r}; valid: image, tokens")
     if source == "torchvision":
         base = _torchvision(model, dict(options.get("kwargs") or {}))
@@ -45,6 +49,8 @@ def spec(name: str, **options) -> NetSpec:
         base = _timm(model, dict(options.get("kwargs") or {}))
     elif source == "module":
         base = _module(model, dict(options.get("kwargs") or {}))
+    elif source == "hf":
+        base = _hugging_face(model, dict(options.get("kwargs") or {}))
     else:
         raise KeyError(f"unknown model source {source!r} in {name!r}; valid sources: {', '.join(SOURCES)}")
     fields = {key: options[key] for key in ("input", "channels", "vocab_size", "loss") if options.get(key) is not None}
@@ -120,3 +126,47 @@ def _module(target: str, kwargs: dict) -> dict:
 
     return {"build_model": build, "batch_size": DEFAULT_BATCH, "image_size": 224, "valid_side": lambda side: side >= 1,
             "side_rule": "at least 1"}
+
+
+class CausalLM(nn.Module):
+    """A ``transformers`` causal LM fed token ids alone: its logits, with no KV cache (the cache would hold
+    every layer's keys and values past the step, a value no plan could free)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        return self.model(input_ids=tokens, use_cache=False).logits
+
+
+def _hugging_face(model_type: str, kwargs: dict) -> dict:
+    try:
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError as error:
+        raise KeyError(f"hf:{model_type} needs Hugging Face transformers: pip install '.[hf]' ({error})") from error
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise KeyError(f"hf model type {model_type!r} has no causal language model in transformers "
+                       f"{transformers.__version__}{_near(model_type, list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))}")
+    config = transformers.AutoConfig.for_model(model_type, **kwargs)
+
+    def build():
+        return CausalLM(transformers.AutoModelForCausalLM.from_config(config))
+
+    longest = getattr(config, "max_position_embeddings", None)
+    return {"build_model": build, "batch_size": 8, "image_size": min(1024, longest or 1024), "input": "tokens",
+            "vocab_size": config.vocab_size, "loss": "next_token", "blocks": _decoder_layers,
+            "valid_side": lambda side: 2 <= side <= (longest or side),
+            "side_rule": f"from 2 to {longest} (the config's max_position_embeddings)" if longest else "at least 2"}
+
+
+def _decoder_layers(model: nn.Module) -> list[str]:
+    """The layers of the model's longest ``nn.ModuleList`` of one class (a decoder's), which
+    ``gradient_checkpointing_enable()`` checkpoints one by one."""
+    lists = [(path, layers) for path, layers in model.named_modules() if isinstance(layers, nn.ModuleList)
+             and len({type(layer) for layer in layers}) == 1]
+    if not lists:
+        return []
+    path, layers = max(lists, key=lambda found: len(found[1]))
+    return [f"{path}.{i}" for i in range(len(layers))]

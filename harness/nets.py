@@ -317,7 +317,7 @@ def spec(name: str, **options) -> NetSpec:
         return models.spec(name, **options)
     if name not in NETS:
         raise KeyError(f"unknown net {name!r}; valid nets: {', '.join(available())}, or SOURCE:NAME for "
-                       f"another model (sources: torchvision, timm, module; see harness/models.py)")
+                       f"another model (sources: torchvision, timm, module, hf; see harness/models.py)")
     if options:
         raise ValueError(f"zoo net {name!r} takes no options, got {sorted(options)}")
     return NETS[name]

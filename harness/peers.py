@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import traceback
 from functools import partial
 
 import torch
@@ -108,11 +109,13 @@ def installed(forwards: dict[nn.Module, object]):
             del module.forward  # back to the class's forward
 
 
-def _checkpoint_copying_lists(forward, *args):
+def _checkpoint_copying_lists(forward, *args, **kwargs):
     # checkpoint keeps its arguments by reference for the recomputation; DenseNet's blocks pass a layer the
     # list of features so far and append to it afterwards, so the layer gets its own copy (as torchvision's
-    # memory_efficient path does by unpacking the list).
-    return checkpoint(forward, *[list(a) if isinstance(a, list) else a for a in args], use_reentrant=False)
+    # memory_efficient path does by unpacking the list). Keyword arguments (a decoder layer's attention mask
+    # and position embeddings) go to the block as they came.
+    return checkpoint(forward, *[list(a) if isinstance(a, list) else a for a in args], use_reentrant=False,
+                      **kwargs)
 
 
 def _run_with_slices(children: list[nn.Module], ranges: list[tuple[int, int]], x):
@@ -180,9 +183,24 @@ def step(plan, model: nn.Module, structure: dict[str, list[str]], example_input:
         return compiled.compiled_step(forward, model, example_input, loss_fn, context=context)
 
     def run():
-        with batchnorm_once(model), context():
-            loss = loss_fn(forward(example_input))
-            loss.backward()
+        try:
+            with batchnorm_once(model), context():
+                loss = loss_fn(forward(example_input))
+                loss.backward()
+        except RuntimeError as error:
+            if example_input.device.type == "meta" and "on meta tensors" in str(error):
+                raise RuntimeError(
+                    f"{plan.strategy} runs the model's own code, which reads a tensor's value in Python"
+                    f"{_user_code(error)}, and meta tensors hold none; measure this peer with device=cpu or cuda "
+                    "(the IR strategies run the traced program, which took the branch the trace saw)") from error
+            raise
         return loss.detach()
 
     return run
+
+
+def _user_code(error: Exception) -> str:
+    """Where outside torch and the harness ``error`` was raised from: the model's code."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if "/torch/" not in f.filename and "/harness/" not in f.filename]
+    return f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""

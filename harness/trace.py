@@ -64,6 +64,23 @@ refuses. So each argument after the first is traced fixed at its default (fx's `
 program the model runs when called with the input alone), and fx's checks that it is given so are taken
 out; an argument with no default is refused, naming it.
 
+NOTE [sizes fixed at the example's]
+fx traces every value as a proxy, sizes too, so Python that computes with a size is control flow or an
+argument it cannot record: ``if height % 2: x = F.pad(...)``, ``torch.zeros(x.shape[0], n)``, a loop over
+``x.chunk(2)``, the causal mask a Hugging Face model makes for its sequence length. A plan is made for one
+input size (the harness traces again for each batch and side), so where the plain trace stops, the model
+is traced again by ``_SizedTracer``, which also runs each call on meta: a proxy answers ``shape``,
+``size()``, ``dim()``, ``numel()``, ``dtype`` and ``len()`` with its value's, iterates as its parts and
+is true or false as its value, and the program takes the branch the example's sizes take. The device is
+the example's, not meta: ``x.device.type == "cpu"`` takes the branch of the device the model runs on
+(transformers counts a mixture of experts' tokens one way on the CPU, another on CUDA). With sizes
+numbers, a torch call on no traced value would run once in the trace and its tensor be held as a
+constant: a buffer cut to the sequence and expanded to the batch (BERT's position and token type ids), a
+mask made for the sequence. Such a call that makes a tensor is a node instead, made every step as the
+model makes it. A module the forward makes and holds no state (transformers' ``ACT2FN["silu"]``) is traced
+through, as a function. Control flow on a tensor's values is still refused, naming the module. A model the
+plain trace takes keeps the plain trace.
+
 NOTE [attention on the device]
 ``scaled_dot_product_attention`` picks its kernel by device: on meta always the math path (it saves the
 attention matrix and the scaled queries and keys), on the CPU a fused kernel where it can (without
@@ -215,6 +232,7 @@ import dataclasses
 import functools
 import gc
 import inspect
+import itertools
 import operator
 import random
 import re
@@ -271,7 +289,7 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
     outputs) holds beside the outputs and their gradients, measured on meta."""
     if cost_model not in COST_MODELS:
         raise ValueError(f"unknown cost_model {cost_model!r}; valid: {', '.join(COST_MODELS)}")
-    gm = _symbolic_trace(model)
+    gm = _symbolic_trace(model, example_input)
     # On meta, a tensor the program makes without naming a device (``torch.randn(8)``) is made on meta too.
     with torch.device("meta"), _attention_as_on(example_input.device, gm):
         meta_module = gm if _on_meta(gm) else _meta_copy(gm)
@@ -642,6 +660,11 @@ class _Tracer(fx.Tracer):
         return _AugmentedProxy(node, self)
 
     def call_module(self, m, forward, args, kwargs):
+        try:
+            self.path_of_module(m)
+        except NameError:  # made in the forward, holding no state (NOTE [sizes fixed at the example's])
+            if next(itertools.chain(m.parameters(), m.buffers()), None) is None:
+                return forward(*args, **kwargs)
         before = _host_rng_state()
         result = super().call_module(m, forward, args, kwargs)
         if _host_rng_state() != before:  # the innermost module that drew raises first
@@ -657,6 +680,130 @@ class _Tracer(fx.Tracer):
         if autocast:  # NOTE [autocast in the forward]
             node.meta["autocast"] = "; ".join(autocast)
         return node
+
+
+class _SizedProxy(_AugmentedProxy):
+    """A Proxy that answers with its value's sizes, dimensions and dtype where the trace knows its value
+    (NOTE [sizes fixed at the example's])."""
+
+    def __getattr__(self, name: str):
+        tracer = self.__dict__.get("tracer")
+        value = tracer.values.get(self.node) if isinstance(tracer, _SizedTracer) else None
+        if isinstance(value, torch.Tensor) and name in _SIZES:
+            return getattr(value, name)
+        return super().__getattr__(name)
+
+    def __len__(self):
+        tracer = self.__dict__.get("tracer")
+        value = tracer.values.get(self.node) if isinstance(tracer, _SizedTracer) else None
+        if isinstance(value, (torch.Tensor, tuple, list)):
+            return len(value)
+        return super().__len__()
+
+
+# What a sized proxy answers from its value; the device is the example's, not meta (NOTE [sizes fixed at
+# the example's]).
+_SIZES = frozenset({"shape", "ndim", "dtype", "size", "dim", "numel", "nelement", "is_floating_point"})
+_DEVICE = frozenset({"device", "is_cuda", "is_cpu", "is_meta", "is_mps", "is_xpu", "get_device"})
+
+
+class _SizedTracer(_Tracer):
+    """fx's tracer that also runs each call on meta, so that the program's sizes are numbers, not proxies
+    (NOTE [sizes fixed at the example's])."""
+
+    def __init__(self, example_input: torch.Tensor):
+        super().__init__()
+        self.example_input = example_input.to("meta")
+        self.on_the_device = torch.empty(0, dtype=example_input.dtype, device=example_input.device)
+        self.values: dict[fx.Node, object] = {}  # each node's value on meta, where it could be run there
+        self.computing = False
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _SizedProxy(node, self)
+
+    def call_module(self, m, forward, args, kwargs):
+        if self.computing:  # a leaf module's own submodules, run on meta
+            return forward(*args, **kwargs)
+        self.leaf_forward = m.forward  # for create_proxy, where a leaf's call becomes a node (its hooks not run)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        return attr_val if self.computing else super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        if isinstance(value := self.values.get(obj.node), (bool, int, float)):
+            return bool(value)
+        return super().to_bool(obj)
+
+    def iter(self, obj: fx.Proxy):
+        if isinstance(value := self.values.get(obj.node), (torch.Tensor, tuple, list)):
+            return iter([obj[i] for i in range(len(value))])
+        return super().iter(obj)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        self.computing = True
+        try:
+            with torch.device("meta"):  # what the program makes without naming a device too
+                self.values[proxy.node] = self._value(kind, target, args, kwargs)
+        except Exception:  # its sizes stay proxies, as fx traces them
+            pass
+        finally:
+            self.computing = False
+        return proxy
+
+    def _value(self, kind, target, args, kwargs):
+        if kind == "placeholder":  # the input, then the forward's tensor defaults (NOTE [one input])
+            first = not any(node.op == "placeholder" for node in self.values)
+            return self.example_input if first else _on_meta_like(args[0])
+        if kind == "get_attr":
+            return _on_meta_like(functools.reduce(getattr, target.split("."), self.root))
+        if kind == "call_function" and target is getattr and args[1] in _DEVICE:
+            return getattr(self.on_the_device, args[1])
+        if kind == "call_method" and target in _DEVICE:
+            return getattr(self.on_the_device, target)()
+        # The value of x.device is the example's device, for the program's branches (x.device.type ==
+        # "cpu"); a call that is given it (torch.arange(n, device=x.device)) runs on meta.
+        python = kind == "call_function" and (target is getattr or getattr(target, "__module__", "") == "_operator")
+
+        def on_meta(a):
+            a = self.values[a.node] if isinstance(a, fx.Proxy) else _on_meta_like(a)
+            return torch.device("meta") if isinstance(a, torch.device) and not python else a
+
+        args, kwargs = tree_map(on_meta, (args, kwargs))
+        if kind == "call_function":
+            return target(*args, **kwargs)
+        if kind == "call_method":
+            return getattr(args[0], target)(*args[1:], **kwargs)
+        if kind == "call_module":
+            with _state_on_meta(self.root.get_submodule(target)):
+                return self.leaf_forward(*args, **kwargs)
+        return None  # the output
+
+
+def _on_meta_like(t):
+    """An empty meta tensor like ``t``; anything else, itself."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
+
+
+@contextlib.contextmanager
+def _state_on_meta(module: torch.nn.Module):
+    """``module``'s parameters and buffers swapped for empty meta tensors of their sizes while a call runs
+    on meta values."""
+    swapped = []
+    for m in module.modules():
+        for table in (m._parameters, m._buffers):
+            for key, t in table.items():
+                if t is not None:
+                    swapped.append((table, key, t))
+                    table[key] = _on_meta_like(t)
+    try:
+        yield
+    finally:
+        for table, key, t in swapped:
+            table[key] = t
 
 
 @contextlib.contextmanager
@@ -746,6 +893,11 @@ class _DrawsAsCalls(TorchFunctionMode):
         leaves = tree_leaves((args, kwargs))
         if any(isinstance(a, fx.Proxy) for a in leaves):
             return func(*args, **kwargs)
+        if isinstance(self.tracer, _SizedTracer):
+            if self.tracer.computing:
+                return func(*args, **kwargs)
+            if _makes_tensor(func, args, kwargs):  # NOTE [sizes fixed at the example's]
+                return self.tracer.create_proxy("call_function", func, args, kwargs)
         cuda = [torch.device("cuda", i) for i in range(torch.cuda.device_count() if torch.cuda.is_initialized() else 0)]
         before = rng_state((cuda, [g for g in leaves if isinstance(g, torch.Generator)]))
         with _Draws() as draws:
@@ -754,6 +906,16 @@ class _DrawsAsCalls(TorchFunctionMode):
             return value
         set_rng_state(before)  # the trace draws nothing
         return self.tracer.create_proxy("call_function", func, args, kwargs)
+
+
+def _makes_tensor(func, args, kwargs) -> bool:
+    """Whether ``func`` makes a tensor, asked of meta stand-ins for its tensor arguments."""
+    try:
+        with torch.device("meta"):
+            made = func(*tree_map(_on_meta_like, args), **tree_map(_on_meta_like, kwargs))
+    except Exception:
+        return False
+    return any(isinstance(t, torch.Tensor) for t in tree_leaves(made))
 
 
 def grad_mode(node: fx.Node):
@@ -787,14 +949,28 @@ def set_rng_state(state: tuple):
         generator.set_state(s)
 
 
-def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
+def _symbolic_trace(model: torch.nn.Module, example_input: torch.Tensor) -> fx.GraphModule:
+    """The model's fx module; where fx stops at a construct it cannot record, traced again with the
+    example's sizes fixed (NOTE [sizes fixed at the example's])."""
+    try:
+        return _buffer_writes_traced(model, None)
+    except TraceFailure as plain:
+        if plain.__cause__ is None:  # the harness's own refusal, which the example's sizes do not change
+            raise
+        try:
+            return _buffer_writes_traced(model, example_input)
+        except TraceFailure as fixed:
+            raise fixed from plain
+
+
+def _buffer_writes_traced(model: torch.nn.Module, example_input: torch.Tensor | None) -> fx.GraphModule:
     """The model's fx module; where its code writes a buffer in place, traced again with buffers as
     proxies, so that the write is a node (NOTE [state the forward writes])."""
     buffers = dict(model.named_buffers())
     saved = {name: (b._version, b.detach().clone()) for name, b in buffers.items()}
-    gm = _fx_trace(model, proxy_buffers=False)
+    gm = _fx_trace(model, proxy_buffers=False, example_input=example_input)
     if _undo_writes(buffers, saved):
-        gm = _fx_trace(model, proxy_buffers=True)
+        gm = _fx_trace(model, proxy_buffers=True, example_input=example_input)
         if written := _undo_writes(buffers, saved):
             raise TraceFailure(f"{type(model).__name__} writes buffer {written[0]!r} in its forward in a way "
                                "torch.fx does not record; write it through the module attribute (self.name.add_(...))")
@@ -812,10 +988,10 @@ def _undo_writes(buffers: dict[str, torch.Tensor], saved: dict[str, tuple]) -> l
     return written
 
 
-def _fx_trace(model: torch.nn.Module, proxy_buffers: bool) -> fx.GraphModule:
+def _fx_trace(model: torch.nn.Module, proxy_buffers: bool, example_input: torch.Tensor | None = None) -> fx.GraphModule:
     before = _host_rng_state()
     try:
-        tracer = _Tracer()
+        tracer = _Tracer() if example_input is None else _SizedTracer(example_input)
         tracer.proxy_buffer_attributes = proxy_buffers
         attributes = {id(m): dict(vars(m)) for m in model.modules()}
         concrete = _one_input(model)
@@ -935,7 +1111,7 @@ def _why_untraceable(model: torch.nn.Module, error: Exception) -> str:
     module, where = None, ""
     frames = zip(traceback.walk_tb(error.__traceback__), traceback.extract_tb(error.__traceback__))
     for (frame, _), summary in frames:
-        if "/torch/" in summary.filename:
+        if "/torch/" in summary.filename or summary.filename == __file__:
             continue
         owner = frame.f_locals.get("self")
         if isinstance(owner, torch.nn.Module) and id(owner) in paths:

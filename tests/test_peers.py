@@ -175,3 +175,46 @@ def test_the_compile_peer_compiles_before_any_dispatch_mode():
         run()
     run()
     assert counters["stats"]["unique_graphs"] == compiled  # compiled once, then reused
+
+
+class KeywordBlocks(nn.Module):
+    """Blocks called with keyword arguments besides their input, as a transformers decoder calls its layers
+    (``attention_mask=``, ``position_embeddings=``); the mask is skipped while fx traces, as transformers
+    skips its check for packed sequences, which reads the positions' values."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Gated() for _ in range(3))
+
+    def forward(self, x):
+        scale = torch.linspace(0.5, 1.5, x.shape[-1], device=x.device, dtype=x.dtype)
+        if not torch.fx._symbolic_trace.is_fx_tracing() and bool((scale == 0).any()):
+            scale = scale + 1
+        for layer in self.layers:
+            x = layer(x, scale=scale)
+        return x
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.drop = nn.Linear(8, 8), nn.Dropout(0.2)
+
+    def forward(self, x, scale=None):
+        return x + self.drop(torch.tanh(self.linear(x)) * scale)
+
+
+def test_checkpointed_blocks_take_keyword_arguments_and_on_meta_the_models_own_value_reads_are_named():
+    from harness.exact import compare
+
+    blocks = {"blocks": [f"layers.{i}" for i in range(3)]}
+    torch.manual_seed(0)
+    model, x = KeywordBlocks().double(), torch.randn(4, 8, dtype=torch.float64)
+    plan = strategies.solve("torch_checkpoint_blocks", trace(model, x).graph, **peers.zoo_options(
+        "torch_checkpoint_blocks", blocks))
+    loss_fn = lambda out: out.square().mean()  # noqa: E731
+    assert compare(model, x, loss_fn, peers.step(plan, model, blocks, x, loss_fn)).exact
+    model, x = model.to("meta"), x.to("meta")
+    with pytest.raises(RuntimeError, match=r"torch_checkpoint_blocks runs the model's own code, which reads a "
+                                           r"tensor's value in Python at .*test_peers\.py:\d+ .*device=cpu or cuda"):
+        peers.step(plan, model, blocks, x, loss_fn)()

@@ -24,7 +24,7 @@ def stems(group):
 
 
 SOURCES = {"torchvision": ["net.name=convnext_tiny"], "timm": ["net.name=resnet10t"],
-           "module": ["net.target=my_pkg.models:build"]}
+           "module": ["net.target=my_pkg.models:build"], "hf": ["net.name=gpt2"]}
 
 
 def test_every_config_composes():
@@ -134,3 +134,13 @@ def test_any_model_from_the_command_line_configs(tmp_path):
     assert "image_size-32" in Path(row["row_path"]).name
     with pytest.raises(KeyError, match="near matches: convnext_tiny"):
         run_cell("torchvision:convnext_tiyn", "vanilla")
+    small = {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        config = [f"+net.options.kwargs.{key}={value}" for key, value in small.items()]
+        cfg = compose("config", overrides=["+net=hf", "net.name=llama", "+strategy=approx_dp", "batch_size=2",
+                                           "image_size=32", *config])
+    assert net_name(cfg.net) == "hf:llama" and net_options(cfg.net) == {"kwargs": small}  # nulls left out too
+    row = run_cell(net_name(cfg.net), "approx_dp", batch_size=2, image_size=32, results_dir=tmp_path,
+                   net_options=net_options(cfg.net))
+    assert row["status"] == "ok", row.get("error")
+    assert abs(row["predicted_peak_bytes"] - row["measured_peak_bytes"]) <= 0.01 * row["measured_peak_bytes"]

@@ -2,9 +2,11 @@
 
 ``python -m harness.bench.coverage results/coverage [--models a,b] [--rows DIR]`` takes every torchvision
 classification model (``torchvision.models.list_models(module=torchvision.models)``), torchvision's
-segmentation models, and smp's ``Unet``, ``FPN`` and ``PSPNet`` on three encoders. For each, on the CPU at
-a small input (batch 2, side 64; a ViT at its patch size times 4; ``SIDES`` where a model needs more) with dropout, attention dropout and
-stochastic depth switched on (``exact.switch_on_randomness``):
+segmentation models, smp's ``Unet``, ``FPN`` and ``PSPNet`` on three encoders, and Hugging Face
+``transformers`` causal LMs by model type (``HF_MODEL_TYPES``: two small layers, ``HF_SMALL``, on the CPU,
+sequence 32; their config's defaults on meta, batch 8, sequence up to 1024). For each, on the CPU at a small
+input (batch 2, side 64; a ViT at its patch size times 4; ``SIDES`` where a model needs more) with dropout,
+attention dropout and stochastic depth switched on (``exact.switch_on_randomness``):
 - traces it (or records why not: the module and the construct);
 - runs one step under ``approx_dp``, ``chen_sqrt`` and ``swap`` (every value swapped) beside plain
   PyTorch's, and keeps the worst relative gradient difference (``harness.exact``);
@@ -41,6 +43,13 @@ STRATEGIES = ("approx_dp", "chen_sqrt", "swap")
 SMP_ARCHITECTURES = ("Unet", "FPN", "PSPNet")
 SMP_ENCODERS = ("resnet34", "mobilenet_v2", "efficientnet-b0")
 SMALL_BATCH, SMALL_SIDE, META_BATCH = 2, 64, 32
+# transformers' causal LMs people train, and what makes each small on the CPU (its defaults on meta).
+# (Not Mamba: without its CUDA kernels, transformers runs its scan as a Python loop over the sequence, which
+# traces to a graph of layers x sequence nodes, over 10 GB to trace at 1024 tokens.)
+HF_MODEL_TYPES = ("gpt2", "gpt_neox", "gptj", "opt", "bloom", "bert", "llama", "mistral", "mixtral", "qwen2", "qwen3",
+                  "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "starcoder2", "stablelm", "granite", "gpt_oss")
+HF_SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "rotary_dim": 8, "pad_token_id": 0}
 
 
 def catalogue() -> list[str]:
@@ -50,6 +59,7 @@ def catalogue() -> list[str]:
     names = [f"torchvision:{name}" for name in tvm.list_models(module=tvm)]
     names += [f"torchvision:{name}" for name in tvm.list_models(module=tvm.segmentation)]
     names += [f"smp:{arch}:{encoder}" for arch in SMP_ARCHITECTURES for encoder in SMP_ENCODERS]
+    names += [f"hf:{model_type}" for model_type in HF_MODEL_TYPES]
     return names
 
 
@@ -68,6 +78,10 @@ def _build(name: str, side: int, batch: int, device: str):
         _, architecture, encoder = name.split(":")
         options = {"kwargs": {"architecture": architecture, "encoder": encoder}, "loss": "segmentation"}
         name = "module:harness.bench.coverage:smp_model"
+    elif name.startswith("hf:"):  # on meta at the net's own sizes: batch 8, up to 1024 tokens
+        if device == "meta":
+            return nets.build(name, None, None, device)
+        return nets.build(name, batch, side, device, kwargs=HF_SMALL)
     elif name.startswith("torchvision:vit_"):
         patch = int(name.rsplit("_", 1)[1])
         side = side if side == 224 else 4 * patch
@@ -83,6 +97,8 @@ def _sides(name: str) -> tuple[int, int]:
     """(small side on the CPU, usual side on meta)."""
     if name.startswith("smp:"):
         return SMALL_SIDE, 512
+    if name.startswith("hf:"):
+        return 32, None
     return SIDES.get(name, (SMALL_SIDE, 224))
 
 
@@ -135,7 +151,7 @@ def _reduction(name: str, side: int) -> dict:
             peaks[label] = measure(lambda: execute(traced, plan, x, loss_fn=loss_fn), model, (x,), "meta", 0, 0).peak_bytes
     except Exception as error:
         return {"meta_error": _reason(error)}
-    return {"meta_side": side, "meta_batch": META_BATCH, "vanilla_gb": peaks["vanilla"] / 1e9,
+    return {"meta_side": x.shape[-1], "meta_batch": len(x), "vanilla_gb": peaks["vanilla"] / 1e9,
             "approx_dp_mc_gb": peaks["approx_dp_mc"] / 1e9,
             "reduction": 1 - peaks["approx_dp_mc"] / peaks["vanilla"]}
 
@@ -210,7 +226,8 @@ def main(argv=None) -> None:
     command = " ".join(["python -m harness.bench.coverage", *(argv if argv is not None else sys.argv[1:])])
     header = (f"Made by `{command}` on {datetime.date.today().isoformat()}; exactness on cpu (batch "
               f"{SMALL_BATCH}, side {SMALL_SIDE}, dropout and stochastic depth on, torch {torch.__version__}), "
-              f"reductions measured on meta (meta-tracker, batch {META_BATCH}, side 224; smp 512).\n\n")
+              f"reductions measured on meta (meta-tracker, batch {META_BATCH}, side 224; smp 512; hf: two small "
+              f"layers and sequence 32 on cpu; the config's defaults, batch 8 and up to 1024 tokens on meta).\n\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     out.to_csv(args.out.with_suffix(".csv"), index=False, float_format="%.3g")
     args.out.with_suffix(".md").write_text(header + totals + "\n\n" + out.to_markdown(index=False, floatfmt=".2g") + "\n")
