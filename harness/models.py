@@ -7,7 +7,7 @@
   ``nn.Module``.
 - ``hf:MODEL_TYPE``: a Hugging Face ``transformers`` causal language model made from its config class's
   defaults (``AutoConfig.for_model``; ``kwargs`` are config fields, e.g. ``{num_hidden_layers: 2}``), never
-  pretrained: ``hf:gpt2`` is GPT-2 small, ``hf:llama`` Llama 2 7B. Fed token ids, it returns the logits,
+  pretrained: ``hf:gpt2`` is GPT-2 small, ``hf:llama`` a 7B Llama. Fed token ids, it returns the logits,
   without a KV cache; the loss is next-token cross-entropy.
 
 Options (``nets.build(name, **options)``; on the command line ``net.options.KEY=VALUE``):

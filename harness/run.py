@@ -90,7 +90,7 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
     row["wall_time_s"] = time.perf_counter() - start
     if results_dir is not None:
         row["row_path"] = str(write_row(row, results_dir))
-    log.info("%s", summary(row))
+    log.info("%s", summary(row, tokens=spec.input == "tokens"))
     return row
 
 
@@ -197,10 +197,10 @@ def _gb(value) -> str:
     return "n/a" if value is None else f"{value / 1e9:.2f} GB"
 
 
-def summary(row: dict) -> str:
-    """A few lines a person can read."""
-    head = (f"{row['net']} / {row['strategy']}: batch {row['batch_size']}, {row['image_size']}x{row['image_size']}, "
-            f"device {row['device']} -> {row['status']}")
+def summary(row: dict, tokens: bool = False) -> str:
+    """A few lines a person can read (``tokens``: the input is a sequence of ``image_size`` token ids)."""
+    size = f"{row['image_size']} tokens" if tokens else f"{row['image_size']}x{row['image_size']}"
+    head = f"{row['net']} / {row['strategy']}: batch {row['batch_size']}, {size}, device {row['device']} -> {row['status']}"
     if row["status"] != "ok":
         return f"{head}\n  {row.get('error', '')}"
     if row.get("measured_peak_bytes") is None:

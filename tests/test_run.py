@@ -118,7 +118,7 @@ def test_command_line_errors_name_the_choices(tmp_path):
     assert done.returncode != 0
 
 
-def test_any_model_from_the_command_line_configs(tmp_path):
+def test_any_model_from_the_command_line_configs(tmp_path, caplog):
     """``+net=torchvision net.name=...`` with builder options reaches run_cell; the row names the model and
     its options, and a bad name fails with the near matches."""
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
@@ -140,7 +140,9 @@ def test_any_model_from_the_command_line_configs(tmp_path):
         cfg = compose("config", overrides=["+net=hf", "net.name=llama", "+strategy=approx_dp", "batch_size=2",
                                            "image_size=32", *config])
     assert net_name(cfg.net) == "hf:llama" and net_options(cfg.net) == {"kwargs": small}  # nulls left out too
-    row = run_cell(net_name(cfg.net), "approx_dp", batch_size=2, image_size=32, results_dir=tmp_path,
-                   net_options=net_options(cfg.net))
+    with caplog.at_level("INFO", logger="harness.run"):
+        row = run_cell(net_name(cfg.net), "approx_dp", batch_size=2, image_size=32, results_dir=tmp_path,
+                       net_options=net_options(cfg.net))
     assert row["status"] == "ok", row.get("error")
+    assert "hf:llama / approx_dp: batch 2, 32 tokens, device meta -> ok" in caplog.text
     assert abs(row["predicted_peak_bytes"] - row["measured_peak_bytes"]) <= 0.01 * row["measured_peak_bytes"]
