@@ -200,7 +200,8 @@ def _gb(value) -> str:
 def summary(row: dict, tokens: bool = False) -> str:
     """A few lines a person can read (``tokens``: the input is a sequence of ``image_size`` token ids)."""
     size = f"{row['image_size']} tokens" if tokens else f"{row['image_size']}x{row['image_size']}"
-    head = f"{row['net']} / {row['strategy']}: batch {row['batch_size']}, {size}, device {row['device']} -> {row['status']}"
+    head = (f"{row['net']} / {row['strategy']}: batch {row['batch_size']}, {size}, device {row['device']} -> "
+            f"{row['status']}")
     if row["status"] != "ok":
         return f"{head}\n  {row.get('error', '')}"
     if row.get("measured_peak_bytes") is None:
