@@ -47,6 +47,9 @@ cannot stay in place, the probe turns it back into fx's out-of-place operator be
 exactly what plain fx traces: when the target is not an IR node's value (an input, a parameter, a
 buffer, whose earlier readers a recomputation would rerun on the written tensor), or when another IR node
 has already read it (the refusal above). So tracing in place never refuses a model that fx traces.
+An item assignment (``x[:, 0] = 0``, ``inv_perm[perm] = torch.arange(n)`` in transformers' experts),
+which fx's Proxy refuses, is recorded as ``assign_item``: a write in place that returns the tensor it
+wrote, joining that value's IR node as ``relu_`` would (refused, like it, after another layer read it).
 
 Written in place, ``bn3``'s output, ``+= identity`` and the ReLU are one IR node, and the downsampling
 branch the block computes between ``bn3`` and the addition sits between its members. Two things follow:
@@ -78,8 +81,10 @@ numbers, a torch call on no traced value would run once in the trace and its ten
 constant: a buffer cut to the sequence and expanded to the batch (BERT's position and token type ids), a
 mask made for the sequence. Such a call that makes a tensor is a node instead, made every step as the
 model makes it. A module the forward makes and holds no state (transformers' ``ACT2FN["silu"]``) is traced
-through, as a function. Control flow on a tensor's values is still refused, naming the module. A model the
-plain trace takes keeps the plain trace.
+through, as a function. Control flow on a tensor's values is still refused, naming the module. Where a
+call cannot run on meta (``nonzero``, whose size lies in the values; ``torch._grouped_mm`` in float32,
+whose meta kernel takes half precision only), its sizes and those after it stay proxies, and if the trace
+then stops, the refusal names that call. A model the plain trace takes keeps the plain trace.
 
 NOTE [attention on the device]
 ``scaled_dot_product_attention`` picks its kernel by device: on meta always the math path (it saves the
@@ -647,7 +652,17 @@ _AUGMENTED = {operator.iadd: operator.add, operator.isub: operator.sub, operator
 
 
 class _AugmentedProxy(fx.Proxy):
-    """A Proxy that records ``x += y`` as ``operator.iadd`` (NOTE [augmented assignments])."""
+    """A Proxy that records ``x += y`` as ``operator.iadd`` (NOTE [augmented assignments]), and ``x[i] = y``
+    as a call of ``assign_item``, a write in place that returns what it wrote."""
+
+    def __setitem__(self, key, value):
+        self.tracer.create_proxy("call_function", assign_item, (self, key, value), {})
+
+
+def assign_item(tensor: torch.Tensor, key, value) -> torch.Tensor:
+    """``tensor[key] = value``, returning ``tensor`` as an in-place op does."""
+    tensor[key] = value
+    return tensor
 
 
 for _op in _AUGMENTED:
@@ -716,6 +731,7 @@ class _SizedTracer(_Tracer):
         self.example_input = example_input.to("meta")
         self.on_the_device = torch.empty(0, dtype=example_input.dtype, device=example_input.device)
         self.values: dict[fx.Node, object] = {}  # each node's value on meta, where it could be run there
+        self.unsized: tuple[str, str] | None = None  # the first call that could not run on meta, and why
         self.computing = False
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -742,12 +758,15 @@ class _SizedTracer(_Tracer):
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        if any(isinstance(a, fx.Proxy) and a.node not in self.values for a in tree_leaves((args, kwargs))):
+            return proxy  # sized after an input that could not be
         self.computing = True
         try:
             with torch.device("meta"):  # what the program makes without naming a device too
                 self.values[proxy.node] = self._value(kind, target, args, kwargs)
-        except Exception:  # its sizes stay proxies, as fx traces them
-            pass
+        except Exception as error:  # its sizes stay proxies, as fx traces them
+            if self.unsized is None and kind != "output":
+                self.unsized = (_describe(proxy.node, self.root), f"{type(error).__name__}: {error}".splitlines()[0])
         finally:
             self.computing = False
         return proxy
@@ -988,7 +1007,8 @@ def _undo_writes(buffers: dict[str, torch.Tensor], saved: dict[str, tuple]) -> l
     return written
 
 
-def _fx_trace(model: torch.nn.Module, proxy_buffers: bool, example_input: torch.Tensor | None = None) -> fx.GraphModule:
+def _fx_trace(model: torch.nn.Module, proxy_buffers: bool, example_input: torch.Tensor | None = None
+              ) -> fx.GraphModule:
     before = _host_rng_state()
     try:
         tracer = _Tracer() if example_input is None else _SizedTracer(example_input)
@@ -1004,7 +1024,9 @@ def _fx_trace(model: torch.nn.Module, proxy_buffers: bool, example_input: torch.
     except TraceFailure:
         raise
     except Exception as error:  # fx raises TraceError, but also TypeError/AttributeError from user code
-        raise TraceFailure(_why_untraceable(model, error)) from error
+        unsized = getattr(tracer, "unsized", None)
+        why = f" (the trace could not size {unsized[0]} on meta: {unsized[1]})" if unsized else ""
+        raise TraceFailure(_why_untraceable(model, error) + why) from error
     if _host_rng_state() != before:
         raise TraceFailure(_host_draw(type(model).__name__))
     if autocast := next((node for node in graph.nodes if "autocast" in node.meta), None):
@@ -1081,8 +1103,6 @@ _CONSTRUCTS = [
                                                  "tensor's value)"),
     ("cannot be iterated", "iteration over a traced value (unpacking, a for loop, *args)"),
     ("'len' is not supported", "len() of a traced value"),
-    ("does not support item assignment", "item assignment to a traced value (x[i] = y; write it out of place: "
-                                         "torch.where, torch.cat or x.index_put)"),
     (r"^(zeros|ones|empty|full|rand|randn|randint|arange)\(\) (takes|received)",
      "a tensor made from a traced shape (torch.zeros(x.shape[0], n); make it from the traced value instead: "
      "x.new_zeros((x.shape[0], n)), torch.zeros_like)"),
@@ -1338,7 +1358,7 @@ class _Probe(fx.Interpreter):
                     f"in-place write {_describe(node, self.module)} changes the value of "
                     f"{_describe(group['members'][0], self.module)} after {_describe(others[0], self.module)} "
                     "read it; a recomputation of that reader would see the new value. Write out of place "
-                    "(e.g. relu instead of relu_, inplace=False)")
+                    "(e.g. relu instead of relu_, inplace=False; for x[i] = y, torch.where or x.index_put)")
         for source in node.all_input_nodes:
             h = self.group_of.get(source.name)
             if h is not None:

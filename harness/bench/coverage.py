@@ -158,7 +158,7 @@ def _reduction(name: str, side: int) -> dict:
 
 def _reason(error: BaseException) -> str:
     text = f"{type(error).__name__}: {error}".splitlines()[0]
-    return text[:400]
+    return text[:800]
 
 
 def _file(model: str) -> str:
