@@ -323,10 +323,21 @@ def spec(name: str, **options) -> NetSpec:
     return NETS[name]
 
 
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # what a run trains in: its parameters and input
+
+
+def check_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    return getattr(torch, dtype)
+
+
 def build(name: str, batch_size: int | None = None, image_size: int | None = None, device: str = "meta",
-          **options):
+          dtype: str = "float32", **options):
     """``(model, example_input, loss_fn)`` for net ``name``; sizes default to the net's (seed 004's for its
-    nets). A token input's loss is next-token cross-entropy against the input itself."""
+    nets). A token input's loss is next-token cross-entropy against the input itself. The model and a
+    float input are in ``dtype`` (``DTYPES``): a run trains in it, as a model cast with ``.to(dtype)`` does."""
+    torch_dtype = check_dtype(dtype)
     net = spec(name, **options)
     batch_size = net.batch_size if batch_size is None else batch_size
     image_size = net.image_size if image_size is None else image_size
@@ -344,6 +355,9 @@ def build(name: str, batch_size: int | None = None, image_size: int | None = Non
         example_input = torch.randint(0, net.vocab_size, (batch_size, image_size), generator=generator).to(device)
     else:
         example_input = torch.randn(batch_size, net.channels, image_size, image_size, device=device)
+    if dtype != "float32":  # a model that keeps some state in another float type keeps it by default
+        model.to(torch_dtype)
+        example_input = example_input.to(torch_dtype) if example_input.is_floating_point() else example_input
     loss_fn = LOSSES[net.loss]
     return model, example_input, partial(loss_fn, tokens=example_input) if net.loss == "next_token" else loss_fn
 

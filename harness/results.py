@@ -15,13 +15,18 @@ STATUSES = ("ok", "oom", "infeasible", "timeout", "error")
 
 def cell_name(row: dict) -> str:
     """The file name of a run's row: one file per (net, strategy and its options, batch, size, budget, cost
-    model, device, compiled or not)."""
+    model, device, dtype where not float32, compiled or not)."""
     budget = "budgetauto" if row["budget_bytes"] is None else f"{row['budget_bytes']}B"
     options = "".join(f"__{key}-{value}" for key, value in sorted(row.get("options", {}).items()))
     net = row["net"] + "".join(f"__{key}-{value}" for key, value in _flat(row.get("net_options") or {}))
     net = net.replace("/", "_").replace(" ", "")  # a net's options name a file, not a folder
     return (f"{net}__{row['strategy']}{options}__b{row['batch_size']}__s{row['image_size']}__{budget}"
-            f"__{row['cost_model']}__{row['device']}{'__compiled' if row.get('compiled') else ''}.json")
+            f"__{row['cost_model']}__{row['device']}{_dtype(row)}{'__compiled' if row.get('compiled') else ''}.json")
+
+
+def _dtype(row: dict) -> str:
+    dtype = row.get("dtype") or "float32"  # rows from before the dtype key trained in float32
+    return "" if dtype == "float32" else f"__{dtype}"
 
 
 def stored_path(rows_dir: str | os.PathLike, net: str, strategy: str, *, batch_size: int, image_size: int,

@@ -36,7 +36,7 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
              device: str = "meta", budget=None, cost_model: str = "paper", options: dict | None = None,
              warmup_steps: int = 2, timed_steps: int = 5, results_dir: str | Path | None = None,
              resume: bool = False, isolate: bool | None = None, net_options: dict | None = None,
-             compile: bool = False) -> dict:
+             compile: bool = False, dtype: str = "float32") -> dict:
     """Measure ``strategy`` on ``net`` (a zoo net or ``SOURCE:NAME`` with ``net_options``, ``harness.models``)
     and return the result row (also written under ``results_dir``).
 
@@ -47,6 +47,7 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
     spec = nets.spec(net, **net_options)  # bad input fails here, before anything is built
     strategies.module(strategy)
     check_device(device)
+    nets.check_dtype(dtype)
     if cost_model not in COST_MODELS:
         raise ValueError(f"unknown cost_model {cost_model!r}; valid: {', '.join(COST_MODELS)}")
     row = {
@@ -55,7 +56,7 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
         "image_size": spec.image_size if image_size is None else image_size,
         "device": device, "cost_model": cost_model, "budget_bytes": parse_budget(budget, device),
         "options": dict(options or {}), "net_options": net_options, "warmup_steps": warmup_steps,
-        "timed_steps": timed_steps, "compiled": bool(compile),
+        "timed_steps": timed_steps, "compiled": bool(compile), "dtype": dtype,
         "paper_node_count": spec.paper_nodes, **_environment(),
     }
     nets.check_sizes(net, row["batch_size"], row["image_size"], **net_options)
@@ -71,7 +72,7 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
             return child.submit(run_cell, net, strategy, batch_size=batch_size, image_size=image_size,
                                 device=device, budget=budget, cost_model=cost_model, options=options,
                                 warmup_steps=warmup_steps, timed_steps=timed_steps, results_dir=results_dir,
-                                isolate=False, net_options=net_options, compile=compile).result()
+                                isolate=False, net_options=net_options, compile=compile, dtype=dtype).result()
     start = time.perf_counter()
     try:
         row.update(_measure_cell(row))
@@ -96,7 +97,7 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
 
 def _measure_cell(row: dict) -> dict:
     model, example_input, loss_fn = nets.build(row["net"], row["batch_size"], row["image_size"], row["device"],
-                                               **row["net_options"])
+                                               row["dtype"], **row["net_options"])
     traced = trace(model, example_input, row["cost_model"], loss_fn=loss_fn)
     graph = traced.graph
     static_bytes = fixed_bytes(model, example_input)
@@ -200,6 +201,8 @@ def _gb(value) -> str:
 def summary(row: dict, tokens: bool = False) -> str:
     """A few lines a person can read (``tokens``: the input is a sequence of ``image_size`` token ids)."""
     size = f"{row['image_size']} tokens" if tokens else f"{row['image_size']}x{row['image_size']}"
+    if row.get("dtype", "float32") != "float32":
+        size += f", {row['dtype']}"
     head = (f"{row['net']} / {row['strategy']}: batch {row['batch_size']}, {size}, device {row['device']} -> "
             f"{row['status']}")
     if row["status"] != "ok":

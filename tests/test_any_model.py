@@ -911,6 +911,15 @@ def test_hugging_face_causal_lms_by_model_type_are_exact_and_predicted(model_typ
     assert nets.structure(name, model, kwargs=kwargs)["blocks"] == [f"{layers}.0", f"{layers}.1"]
 
 
+def test_a_mixture_of_experts_in_bfloat16_is_predicted():
+    # Mixtral's experts invert their token sort by an item assignment (traced as a write in place) and
+    # multiply through torch._grouped_mm, whose meta kernel sizes half precision (in float32 the refusal
+    # names it).
+    kwargs = {**HF_CONFIGS["llama"], "num_local_experts": 4, "num_experts_per_tok": 2}
+    model, tokens, loss_fn = nets.build("hf:mixtral", 4, 32, "meta", "bfloat16", kwargs=kwargs)
+    assert_predicted_on_meta(model, tokens, loss_fn)
+
+
 def test_unknown_names_list_the_near_matches():
     with pytest.raises(KeyError, match="near matches: convnext_tiny"):
         nets.spec("torchvision:convnext_tiyn")

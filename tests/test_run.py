@@ -118,6 +118,23 @@ def test_command_line_errors_name_the_choices(tmp_path):
     assert done.returncode != 0
 
 
+def test_a_run_in_bfloat16_holds_half_of_float32_and_says_so(tmp_path):
+    rows = {dtype: run_cell("resnet50", "approx_dp", batch_size=4, image_size=64, dtype=dtype, results_dir=tmp_path)
+            for dtype in ("float32", "bfloat16")}
+    for dtype, row in rows.items():
+        assert row["status"] == "ok" and row["dtype"] == dtype, row.get("error")
+        assert abs(row["predicted_peak_bytes"] - row["measured_peak_bytes"]) <= 0.01 * row["measured_peak_bytes"]
+    assert 0.45 < rows["bfloat16"]["measured_peak_bytes"] / rows["float32"]["measured_peak_bytes"] < 0.55
+    # The parameters and BatchNorm statistics halve; the counts of batches tracked stay int64.
+    assert 0.5 < rows["bfloat16"]["measured_params_bytes"] / rows["float32"]["measured_params_bytes"] < 0.501
+    assert Path(rows["bfloat16"]["row_path"]).name.endswith("__meta__bfloat16.json")
+    assert Path(rows["float32"]["row_path"]).name.endswith("__meta.json")  # the names rows had before dtype
+    with pytest.raises(ValueError, match="unknown dtype 'int8'; valid: float32, bfloat16, float16, float64"):
+        run_cell("resnet50", "vanilla", dtype="int8")
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        assert compose("config", overrides=["+net=resnet50", "+strategy=vanilla", "dtype=bfloat16"]).dtype == "bfloat16"
+
+
 def test_any_model_from_the_command_line_configs(tmp_path, caplog):
     """``+net=torchvision net.name=...`` with builder options reaches run_cell; the row names the model and
     its options, and a bad name fails with the near matches."""
