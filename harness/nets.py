@@ -327,6 +327,7 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")  # what a run trains in: 
 
 
 def check_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype named ``dtype``; a name not in ``DTYPES`` fails, listing them."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
     return getattr(torch, dtype)
