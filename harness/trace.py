@@ -701,17 +701,18 @@ class _SizedProxy(_AugmentedProxy):
     """A Proxy that answers with its value's sizes, dimensions and dtype where the trace knows its value
     (NOTE [sizes fixed at the example's])."""
 
+    def _value(self):
+        """The proxy's value on meta, where the trace knows it."""
+        tracer = self.__dict__.get("tracer")  # absent on a proxy copy or pickle makes without __init__
+        return tracer.values.get(self.node) if isinstance(tracer, _SizedTracer) else None
+
     def __getattr__(self, name: str):
-        tracer = self.__dict__.get("tracer")
-        value = tracer.values.get(self.node) if isinstance(tracer, _SizedTracer) else None
-        if isinstance(value, torch.Tensor) and name in _SIZES:
+        if isinstance(value := self._value(), torch.Tensor) and name in _SIZES:
             return getattr(value, name)
         return super().__getattr__(name)
 
     def __len__(self):
-        tracer = self.__dict__.get("tracer")
-        value = tracer.values.get(self.node) if isinstance(tracer, _SizedTracer) else None
-        if isinstance(value, (torch.Tensor, tuple, list)):
+        if isinstance(value := self._value(), (torch.Tensor, tuple, list)):
             return len(value)
         return super().__len__()
 
@@ -800,11 +801,12 @@ class _SizedTracer(_Tracer):
         return None  # the output
 
 
-def _on_meta_like(t):
-    """An empty meta tensor like ``t``; anything else, itself."""
+def _on_meta_like(t, device="meta"):
+    """An empty tensor on ``device`` with ``t``'s sizes, strides, dtype and requires_grad; anything else,
+    itself."""
     if not isinstance(t, torch.Tensor):
         return t
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).requires_grad_(t.requires_grad)
 
 
 @contextlib.contextmanager
@@ -876,8 +878,7 @@ def _attention_on_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causa
     meta."""
     if query.device.type == "meta" and not enable_gqa:
         with _disable_current_modes():  # no tracker counts the empty tensors
-            like = [None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-                    .requires_grad_(t.requires_grad) for t in (query, key, value, attn_mask)]
+            like = [_on_meta_like(t, device="cpu") for t in (query, key, value, attn_mask)]
             choice = torch._fused_sdp_choice(*like, dropout_p, is_causal, scale=scale)
             del like
         if choice == torch.nn.attention.SDPBackend.FLASH_ATTENTION.value:
