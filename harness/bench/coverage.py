@@ -1,6 +1,6 @@
 """Coverage: does every model people train come out exact, and what does recomputation save on it?
 
-``python -m harness.bench.coverage results/coverage [--models a,b] [--rows DIR]`` takes every torchvision
+``python -m harness.bench.coverage results/coverage [--models a,b] [--rows DIR] [--dtype D]`` takes every torchvision
 classification model (``torchvision.models.list_models(module=torchvision.models)``), torchvision's
 segmentation models, smp's ``Unet``, ``FPN`` and ``PSPNet`` on three encoders, and Hugging Face
 ``transformers`` causal LMs by model type (``HF_MODEL_TYPES``: two small layers, ``HF_SMALL``, on the CPU,
@@ -12,8 +12,10 @@ attention dropout and stochastic depth switched on (``exact.switch_on_randomness
   PyTorch's, and keeps the worst relative gradient difference (``harness.exact``);
 - on ``meta`` at the model's usual size (batch 32, side 224; smp at 512), measures ``vanilla`` and
   ``approx_dp`` (mc) and gives the reduction.
-One JSON row per model lands in ``--rows`` (default ``results/coverage_rows``), written atomically, so a
-killed run resumes; the table is ``OUT.md`` and ``OUT.csv``, with the totals and every reason.
+One JSON row per model lands in ``--rows`` (default ``OUT_rows``: ``results/coverage_rows``), written
+atomically, so a killed run resumes; the table is ``OUT.md`` and ``OUT.csv``, with the totals and every
+reason. ``--dtype bfloat16`` trains every model in it (``nets.build``'s ``dtype``), exact within
+``harness.exact.tolerance`` of it (NOTE [half precision] there); ``--models hf:`` takes a source's models.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from tqdm import tqdm
 
 import strategies
 from harness import nets
-from harness.exact import TOLERANCE, compare, switch_on_randomness
+from harness.exact import compare, switch_on_randomness, tolerance
 from harness.execute import execute
 from harness.measure import measure
 from harness.results import write_row
@@ -71,8 +73,8 @@ def smp_model(architecture: str, encoder: str, classes: int = 2):
     return nets.SmpForward(getattr(smp, architecture)(encoder, encoder_weights=None, classes=classes))
 
 
-def _build(name: str, side: int, batch: int, device: str):
-    """Model, input and loss of a catalogue entry at ``side``."""
+def _build(name: str, side: int, batch: int, device: str, dtype: str = "float32"):
+    """Model, input and loss of a catalogue entry at ``side``, in ``dtype``."""
     options = {}
     if name.startswith("smp:"):  # through the module source, as a user's own factory goes
         _, architecture, encoder = name.split(":")
@@ -80,13 +82,13 @@ def _build(name: str, side: int, batch: int, device: str):
         name = "module:harness.bench.coverage:smp_model"
     elif name.startswith("hf:"):  # on meta at the net's own sizes: batch 8, up to 1024 tokens
         if device == "meta":
-            return nets.build(name, None, None, device)
-        return nets.build(name, batch, side, device, kwargs=HF_SMALL)
+            return nets.build(name, None, None, device, dtype)
+        return nets.build(name, batch, side, device, dtype, kwargs=HF_SMALL)
     elif name.startswith("torchvision:vit_"):
         patch = int(name.rsplit("_", 1)[1])
         side = side if side == 224 else 4 * patch
         options = {"kwargs": {"image_size": side}}
-    return nets.build(name, batch, side, device, **options)
+    return nets.build(name, batch, side, device, dtype, **options)
 
 
 # (small side on the CPU, usual side on meta) where the defaults do not fit the model.
@@ -102,13 +104,13 @@ def _sides(name: str) -> tuple[int, int]:
     return SIDES.get(name, (SMALL_SIDE, 224))
 
 
-def cover(name: str) -> dict:
-    """One model's row."""
-    row = {"model": name, "traced": False, "ir_nodes": None, "reason": ""}
+def cover(name: str, dtype: str = "float32") -> dict:
+    """One model's row, trained in ``dtype``."""
+    row = {"model": name, "dtype": dtype, "traced": False, "ir_nodes": None, "reason": ""}
     small, usual = _sides(name)
     try:
         torch.manual_seed(0)
-        model, x, loss_fn = _build(name, small, SMALL_BATCH, "cpu")
+        model, x, loss_fn = _build(name, small, SMALL_BATCH, "cpu", dtype)
         switch_on_randomness(model)
         traced = trace(model, x, loss_fn=loss_fn)
     except Exception as error:  # the reason is the row's point
@@ -134,16 +136,16 @@ def cover(name: str) -> dict:
                              f"{difference.worst_gradient:.2g}" + (f"; buffers {difference.buffers}"
                                                                    if difference.buffers else ""))
     row["worst_gradient"] = worst
-    row["exact"] = worst <= TOLERANCE
+    row["exact"] = worst <= tolerance(nets.check_dtype(dtype))
     del model, traced
-    row.update(_reduction(name, usual))
+    row.update(_reduction(name, usual, dtype))
     return row
 
 
-def _reduction(name: str, side: int) -> dict:
+def _reduction(name: str, side: int, dtype: str) -> dict:
     """vanilla and approx_dp (mc) measured on meta at the model's usual size."""
     try:
-        model, x, loss_fn = _build(name, side, META_BATCH, "meta")
+        model, x, loss_fn = _build(name, side, META_BATCH, "meta", dtype)
         traced = trace(model, x, loss_fn=loss_fn)  # the DP counts the loss's buffers it will run beside
         peaks = {}
         for label, strategy, options in (("vanilla", "vanilla", {}), ("approx_dp_mc", "approx_dp", {"mode": "mc"})):
@@ -181,8 +183,9 @@ def table(rows: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     })
     traced = rows[rows.traced]
     exact = traced[traced.exact == True]  # noqa: E712 (a column of bools)
+    tolerances = ", ".join(f"{tolerance(nets.check_dtype(d)):g} ({d})" for d in _dtypes(rows))
     lines = [f"- models: {len(rows)}; traced: {len(traced)}; exact (worst relative gradient difference "
-             f"<= {TOLERANCE:g} under every strategy, buffers equal): {len(exact)}; not exact: "
+             f"<= {tolerances} under every strategy, buffers equal): {len(exact)}; not exact: "
              f"{len(traced) - len(exact)}; not traced: {len(rows) - len(traced)}"]
     for _, row in rows[~rows.model.isin(exact.model)].iterrows():
         lines.append(f"- {row.model}: {row.reason or 'no reason recorded'}")
@@ -193,28 +196,46 @@ def table(rows: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     return out, "\n".join(lines)
 
 
+def _dtypes(rows: pd.DataFrame) -> list[str]:
+    """The dtypes the rows trained in (a row from before ``--dtype`` trained in float32)."""
+    return sorted(set(rows.get("dtype", pd.Series("float32", index=rows.index)).fillna("float32")))
+
+
+def select(names: list[str], models: str) -> list[str]:
+    """``--models``: comma-separated names of the catalogue, where ``SOURCE:`` (``hf:``) takes a source's."""
+    def matches(item: str) -> list[str]:
+        return [n for n in names if n == item or (item.endswith(":") and n.startswith(item))]
+
+    unknown = [item for item in models.split(",") if not matches(item)]
+    if unknown:
+        sources = sorted({n.split(":")[0] + ":" for n in names})
+        raise SystemExit(f"not in the catalogue: {unknown}; run without --models for all {len(names)}, "
+                         f"or name a source: {', '.join(sources)}")
+    return [name for item in models.split(",") for name in matches(item)]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m harness.bench.coverage", description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="output path without suffix (.md and .csv are written)")
-    parser.add_argument("--rows", type=Path, default=Path("results/coverage_rows"), help="one JSON row per model")
-    parser.add_argument("--models", default=None, help="comma-separated subset of the catalogue")
+    parser.add_argument("--rows", type=Path, default=None, help="one JSON row per model (default: OUT_rows)")
+    parser.add_argument("--models", default=None,
+                        help="comma-separated subset of the catalogue; SOURCE: (hf:) takes a source's models")
+    parser.add_argument("--dtype", default="float32", help=f"what the models train in: {', '.join(nets.DTYPES)}")
     parser.add_argument("--rerun", action="store_true", help="measure again models whose row exists")
     args = parser.parse_args(argv)
+    nets.check_dtype(args.dtype)
+    args.rows = args.rows or args.out.with_name(args.out.name + "_rows")
     names = catalogue()
     if args.models:
-        wanted = args.models.split(",")
-        unknown = sorted(set(wanted) - set(names))
-        if unknown:
-            raise SystemExit(f"not in the catalogue: {unknown}; run without --models for all {len(names)}")
-        names = wanted
+        names = select(names, args.models)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     for name in tqdm(names, desc="coverage", file=sys.stdout):
         path = args.rows / f"{_file(name)}.json"
-        if path.exists() and not args.rerun:
+        if path.exists() and not args.rerun and json.loads(path.read_text()).get("dtype", "float32") == args.dtype:
             continue
         start = time.perf_counter()
         try:
-            row = cover(name)
+            row = cover(name, args.dtype)
         except Exception:  # a harness bug: recorded, and the sweep goes on
             row = {"model": name, "traced": False, "reason": "harness error: " + traceback.format_exc(limit=3)}
         row["seconds"] = time.perf_counter() - start
@@ -224,8 +245,8 @@ def main(argv=None) -> None:
     rows = rows[rows.model.isin(catalogue())]
     out, totals = table(rows.sort_values("model").reset_index(drop=True))
     command = " ".join(["python -m harness.bench.coverage", *(argv if argv is not None else sys.argv[1:])])
-    header = (f"Made by `{command}` on {datetime.date.today().isoformat()}; exactness on cpu (batch "
-              f"{SMALL_BATCH}, side {SMALL_SIDE}, dropout and stochastic depth on, torch {torch.__version__}), "
+    header = (f"Made by `{command}` on {datetime.date.today().isoformat()}; {', '.join(_dtypes(rows))}; exactness "
+              f"on cpu (batch {SMALL_BATCH}, side {SMALL_SIDE}, dropout and stochastic depth on, torch {torch.__version__}), "
               f"reductions measured on meta (meta-tracker, batch {META_BATCH}, side 224; smp 512; hf: two small "
               f"layers and sequence 32 on cpu; the config's defaults, batch 8 and up to 1024 tokens on meta).\n\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)
