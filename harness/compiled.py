@@ -348,13 +348,15 @@ def _replayed_step(forward, model, example_input, loss_fn, patches, partition, c
         with torch.no_grad():
             outputs = _Replay(graphs["forward"]).run(*arguments)
         saved = list(outputs[len(outputs) - saved_count:])
-        output = outputs[len(outputs) - saved_count - 1].detach().requires_grad_()
+        handed = []  # the output's gradient, as the loss's backward hands it to the compiled backward
+        output = _HandOff.apply(torch.empty(0, requires_grad=True), outputs[len(outputs) - saved_count - 1],
+                                handed)
         del outputs
         loss = loss_fn(output)
-        (output_grad,) = torch.autograd.grad(loss, output)
-        del output
-        backward_arguments = saved + [output_grad]
-        del saved, output_grad
+        del output  # as in the compiled step: what holds the output now is what the loss saved
+        loss.backward()
+        backward_arguments = saved + handed
+        del saved, handed
         with torch.no_grad():  # boxed: the interpreter holds the only references and frees each after use
             grads = _Replay(graphs["backward"]).boxed_run(backward_arguments)
         tracker = _get_current_dispatch_mode()
@@ -367,6 +369,22 @@ def _replayed_step(forward, model, example_input, loss_fn, patches, partition, c
 
     run.compile_time_s = compile_time_s
     return run
+
+
+class _HandOff(torch.autograd.Function):
+    """The forward graph's output as the loss reads it: a non-leaf (a leaf is held by its gradient's
+    accumulator, and ``autograd.grad`` by the caller, through the loss's backward, where the compiled step
+    holds the output only if the loss saved it), whose gradient goes into ``handed``."""
+
+    @staticmethod
+    def forward(ctx, anchor, output, handed):
+        ctx.handed = handed
+        return output.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.handed.append(grad)
+        return None, None, None
 
 
 class _Replay(fx.Interpreter):

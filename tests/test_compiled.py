@@ -15,7 +15,7 @@ from harness import nets, peers
 from harness.compiled import MARK, compiled_step, marked_module, plan_step, tag_plan
 from harness.run import run_cell
 from harness.trace import trace
-from test_any_model import GradModeAndState, KeyQueue, StateReadAndWritten
+from test_any_model import HF_CONFIGS, GradModeAndState, KeyQueue, StateReadAndWritten
 from test_executor import SMALL, SkipToOutput, quarter_plan
 from test_peers import assert_same_step_in_float64
 
@@ -77,6 +77,32 @@ def test_a_compiled_plan_replays_random_and_in_place_layers(make):
     plan = quarter_plan(traced.graph)
     recomputed = {traced.graph.names[v] for v in strategies.members(plan.recomputed)}
     assert any(name in traced.random_nodes for name in recomputed), "a random layer is recomputed"
+    torch.manual_seed(1)
+    vanilla = compiled_step(reference, reference, x, loss_fn)
+    torch.manual_seed(1)
+    step = plan_step(traced, plan, x, loss_fn)
+    torch.manual_seed(2)
+    reference_loss = vanilla()
+    torch.manual_seed(2)
+    assert_same_step_in_float64(model, reference, step(), reference_loss)
+
+
+@pytest.mark.parametrize("model_type", HF_CONFIGS)
+def test_transformers_under_a_compiled_plan(model_type):
+    """A Hugging Face model (its own code, traced: NOTE [sizes fixed at the example's]) with dropout and
+    attention dropout on, in float64: the compiled plan's step equals the model compiled as its users compile
+    it, from the same seed, with the recomputed dropouts (attention's inside SDPA) drawn again."""
+    from harness.exact import switch_on_randomness
+
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, x, loss_fn = nets.build(f"hf:{model_type}", 2, 16, "cpu", "float64", kwargs=HF_CONFIGS[model_type])
+    switch_on_randomness(model)
+    reference = copy.deepcopy(model)
+    traced = trace(model, x, loss_fn=loss_fn)
+    plan = strategies.solve("approx_dp", traced.graph)
+    recomputed = {traced.graph.names[v] for v in strategies.members(plan.recomputed)}
+    assert recomputed & set(traced.random_nodes), "a random layer is recomputed"
     torch.manual_seed(1)
     vanilla = compiled_step(reference, reference, x, loss_fn)
     torch.manual_seed(1)
@@ -268,3 +294,34 @@ def test_a_plan_that_recomputes_across_a_graph_break_is_refused_naming_the_value
     traced = trace(model, x, loss_fn=nets.sum_loss)
     with pytest.raises(strategies.Inapplicable, match=r"on meta replays .* dynamo breaks this program"):
         plan_step(traced, strategies.solve("vanilla", traced.graph), x, nets.sum_loss)
+
+
+class WideHead(nn.Module):
+    """A small body and an output far larger than anything else: the loss's backward is the step's peak."""
+
+    def __init__(self, width=16, classes=8192):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def test_a_compiled_step_on_meta_drops_the_output_when_the_loss_has_read_it():
+    """Cross-entropy saves its log-softmax, not the logits: once the loss's forward has read them, the logits
+    go, in the compiled step (``loss_fn(compiled(x))``) as in the eager one. The meta replay once held them
+    through the loss's backward, one output more than either step holds."""
+    from harness.execute import execute
+    from harness.measure import measure
+
+    model, x = WideHead().to("meta"), torch.randn(256, 16, device="meta")
+    loss_fn = nets.classification_loss
+    traced = trace(model, x, loss_fn=loss_fn)
+    plan = strategies.solve("vanilla", traced.graph)
+    eager = measure(lambda: execute(traced, plan, x, loss_fn=loss_fn), model, (x,), "meta", timed_steps=1)
+    step = plan_step(traced, plan, x, loss_fn)
+    compiled = measure(step, model, (x,), "meta", timed_steps=1, compiled=True)
+    output_bytes = 256 * 8192 * 4
+    assert eager.peak_bytes > 3 * output_bytes  # the output, its log-softmax and their gradients
+    assert abs(compiled.peak_bytes - eager.peak_bytes) < output_bytes // 8, (compiled.peak_bytes, eager.peak_bytes)
