@@ -355,8 +355,9 @@ def _replayed_step(forward, model, example_input, loss_fn, patches, partition, c
         loss = loss_fn(output)
         del output  # as in the compiled step: what holds the output now is what the loss saved
         loss.backward()
-        backward_arguments = saved + handed
-        del saved, handed
+        loss = loss.detach()  # its graph, which the backward graph's run must not keep
+        backward_arguments = saved + [handed.pop()]  # the list lives on in the graph's node
+        del saved
         with torch.no_grad():  # boxed: the interpreter holds the only references and frees each after use
             grads = _Replay(graphs["backward"]).boxed_run(backward_arguments)
         tracker = _get_current_dispatch_mode()
@@ -365,16 +366,17 @@ def _replayed_step(forward, model, example_input, loss_fn, patches, partition, c
                 argument.grad = grad
                 if isinstance(tracker, MemoryTracker):
                     tracker.mark_grad(argument)
-        return loss.detach()
+        return loss
 
     run.compile_time_s = compile_time_s
     return run
 
 
 class _HandOff(torch.autograd.Function):
-    """The forward graph's output as the loss reads it: a non-leaf (a leaf is held by its gradient's
-    accumulator, and ``autograd.grad`` by the caller, through the loss's backward, where the compiled step
-    holds the output only if the loss saved it), whose gradient goes into ``handed``."""
+    """The forward graph's output as the loss reads it, whose gradient goes into ``handed``. The compiled
+    step holds its output only while the loss's graph does and the output's gradient only until the
+    backward graph's last use of it; a leaf would be held by its gradient's accumulator (and
+    ``autograd.grad``'s argument by the caller) through the backward graph, one output more."""
 
     @staticmethod
     def forward(ctx, anchor, output, handed):
