@@ -246,9 +246,10 @@ def main(argv=None) -> None:
     out, totals = table(rows.sort_values("model").reset_index(drop=True))
     command = " ".join(["python -m harness.bench.coverage", *(argv if argv is not None else sys.argv[1:])])
     header = (f"Made by `{command}` on {datetime.date.today().isoformat()}; {', '.join(_dtypes(rows))}; exactness "
-              f"on cpu (batch {SMALL_BATCH}, side {SMALL_SIDE}, dropout and stochastic depth on, torch {torch.__version__}), "
-              f"reductions measured on meta (meta-tracker, batch {META_BATCH}, side 224; smp 512; hf: two small "
-              f"layers and sequence 32 on cpu; the config's defaults, batch 8 and up to 1024 tokens on meta).\n\n")
+              f"on cpu (batch {SMALL_BATCH}, side {SMALL_SIDE}, dropout and stochastic depth on, torch "
+              f"{torch.__version__}), reductions measured on meta (meta-tracker, batch {META_BATCH}, side 224; smp "
+              f"512; hf: two small layers and sequence 32 on cpu; the config's defaults, batch 8 and up to 1024 "
+              f"tokens on meta).\n\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     out.to_csv(args.out.with_suffix(".csv"), index=False, float_format="%.3g")
     args.out.with_suffix(".md").write_text(header + totals + "\n\n" + out.to_markdown(index=False, floatfmt=".2g") + "\n")
