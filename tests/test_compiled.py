@@ -94,7 +94,6 @@ def test_transformers_under_a_compiled_plan(model_type):
     it, from the same seed, with the recomputed dropouts (attention's inside SDPA) drawn again."""
     from harness.exact import switch_on_randomness
 
-    pytest.importorskip("transformers")
     torch.manual_seed(0)
     model, x, loss_fn = nets.build(f"hf:{model_type}", 2, 16, "cpu", "float64", kwargs=HF_CONFIGS[model_type])
     switch_on_randomness(model)
