@@ -74,9 +74,14 @@ def test_a_compiled_plan_replays_random_and_in_place_layers(make):
     reference = copy.deepcopy(model)
     loss_fn = nets.sum_loss
     traced = trace(model, x, loss_fn=loss_fn)
-    plan = quarter_plan(traced.graph)
+    assert_same_step_as_compiled_vanilla(model, traced, quarter_plan(traced.graph), reference, x, loss_fn)
+
+
+def assert_same_step_as_compiled_vanilla(model, traced, plan, reference, x, loss_fn):
+    """``model``'s compiled ``plan``, which recomputes a random node, steps as ``reference`` (its copy)
+    compiled, from the same seed, in float64."""
     recomputed = {traced.graph.names[v] for v in strategies.members(plan.recomputed)}
-    assert any(name in traced.random_nodes for name in recomputed), "a random layer is recomputed"
+    assert recomputed & set(traced.random_nodes), "a random layer is recomputed"
     torch.manual_seed(1)
     vanilla = compiled_step(reference, reference, x, loss_fn)
     torch.manual_seed(1)
@@ -100,16 +105,7 @@ def test_transformers_under_a_compiled_plan(model_type):
     reference = copy.deepcopy(model)
     traced = trace(model, x, loss_fn=loss_fn)
     plan = strategies.solve("approx_dp", traced.graph)
-    recomputed = {traced.graph.names[v] for v in strategies.members(plan.recomputed)}
-    assert recomputed & set(traced.random_nodes), "a random layer is recomputed"
-    torch.manual_seed(1)
-    vanilla = compiled_step(reference, reference, x, loss_fn)
-    torch.manual_seed(1)
-    step = plan_step(traced, plan, x, loss_fn)
-    torch.manual_seed(2)
-    reference_loss = vanilla()
-    torch.manual_seed(2)
-    assert_same_step_in_float64(model, reference, step(), reference_loss)
+    assert_same_step_as_compiled_vanilla(model, traced, plan, reference, x, loss_fn)
 
 
 def test_tagging_follows_the_plan():
