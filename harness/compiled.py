@@ -8,7 +8,9 @@ activation checkpointing sets (``node.meta["recompute"]``): ``MUST_RECOMPUTE`` i
 never recomputed. So a plan is compiled by telling the partitioner, op by op, which IR node the op computes:
 
 - ``marked_module`` copies the traced fx module and puts ``recompute_bench::mark(value, node)`` after the
-  last writer of each IR node (NOTE [nodes are storages]); every later reader reads the mark's result.
+  last writer of each IR node (NOTE [nodes are storages]); every later reader reads the mark's result, also
+  one that names an earlier member returning the same tensor (code reads ``y`` after ``y[i] = 0``:
+  ``Traced.same_tensor``; an unread mark is dropped, and its node's ops would go to the next node's).
   After the last writer nothing writes the storage again, so a reader sees the same value either way.
 - ``tag_plan`` runs on the joint graph, before the partitioner: the ATen ops traced up to a mark belong to
   its IR node (a view belongs to the node it views). An op of a recomputed node is ``MUST_RECOMPUTE``; the
@@ -101,6 +103,10 @@ def marked_module(traced: Traced) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     last_writer = {name: v for v, name in enumerate(traced.graph.names)}  # an IR node is named after it
+    same_tensor: dict[str, list[fx.Node]] = {}  # last writer -> the earlier members that return its tensor
+    for node in traced.module.graph.nodes:
+        if node.name in traced.same_tensor:
+            same_tensor.setdefault(traced.graph.names[traced.same_tensor[node.name]], []).append(node)
     grad_on = True
     for node in traced.module.graph.nodes:
         if node.meta.get("no_grad", False) == grad_on:  # the model's grad mode changes (NOTE [grad mode] in trace.py)
@@ -108,7 +114,18 @@ def marked_module(traced: Traced) -> fx.GraphModule:
             graph.call_function(torch._C._set_grad_enabled, (grad_on,))
         copied = graph.node_copy(node, lambda n: env[n])
         if node.name in last_writer:
+            # The mark is the value itself, with grad on: a write under no_grad (a clamp_ of a copy, NOTE [a
+            # write after a read] in trace.py) leaves the value's gradient passing it by, as in the model.
+            if not grad_on:
+                graph.call_function(torch._C._set_grad_enabled, (True,))
             copied = graph.call_function(_mark_tensors, (copied, last_writer[node.name]))
+            if not grad_on:
+                graph.call_function(torch._C._set_grad_enabled, (False,))
+            # Code reads a written value by the name of the layer that made it (``x[i] = y`` and ``h.relu_()``
+            # return nothing it keeps): those reads take the mark too, else dynamo drops the mark as unused,
+            # and tag_plan gives the node's ops to the next node's mark.
+            for member in same_tensor.get(node.name, ()):
+                env[member] = copied
         env[node] = copied
     return fx.GraphModule(traced.module, graph)
 

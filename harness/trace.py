@@ -46,10 +46,10 @@ assignment itself (``operator.iadd``), and the program writes in place as the mo
 cannot stay in place, the probe turns it back into fx's out-of-place operator before it runs, which is
 exactly what plain fx traces: when the target is not an IR node's value (an input, a parameter, a
 buffer, whose earlier readers a recomputation would rerun on the written tensor), or when another IR node
-has already read it (the refusal above). So tracing in place never refuses a model that fx traces.
+has already read it (NOTE [a write after a read]). So tracing in place never refuses a model that fx traces.
 An item assignment (``x[:, 0] = 0``, ``inv_perm[perm] = torch.arange(n)`` in transformers' experts),
 which fx's Proxy refuses, is recorded as ``assign_item``: a write in place that returns the tensor it
-wrote, joining that value's IR node as ``relu_`` would (refused, like it, after another layer read it).
+wrote, joining that value's IR node as ``relu_`` would (after another layer read it, as the next note says).
 
 Written in place, ``bn3``'s output, ``+= identity`` and the ReLU are one IR node, and the downsampling
 branch the block computes between ``bn3`` and the addition sits between its members. Two things follow:
@@ -58,6 +58,27 @@ branch the block computes between ``bn3`` and the addition sits between its memb
 - its backward starts with the in-place members, which hand the branch its gradient (the ReLU's, passed
   on by the addition) before the batch norm's backward reads its input: ``Graph.early_grads``, which the
   replay makes in the node's first backward step.
+
+NOTE [a write after a read]
+Any other write in place (``relu_``, ``nn.ReLU(inplace=True)``, ``x[mask] = 0``, a ``clamp_`` under
+``no_grad``, an in-place dropout) cannot stay in place once another IR node has read the value
+(``y = h + 1; h.relu_()``): a recomputation of that reader, run after the write, would read the new value.
+So the program writes a copy, the way a functional program would: the probe stops at the write
+(``_CopyFirst``), the trace puts ``clone`` of the value just before it, hands the write the copy, and
+hands every later call that read the value the copy instead (``_copy_before_write``); then the probe runs
+the new program. Every call reads the values it reads in the model, so loss and gradients are the model's
+(the clone runs with autograd on, also where the write runs under ``no_grad``, whose gradient passes the
+write by as the model's does). The copy and its write are one IR node, which the trace measures like any
+other: the step holds the copy beside the value while the clone runs, where plain PyTorch writes the value
+itself (where the earlier reader saved the value for its backward, plain PyTorch's step fails, "modified by
+an inplace operation", and the traced program computes what the model's code says). A later call that
+reads the value through a view taken before the write (``v = h[:, :2]`` ... ``h.relu_()`` ... ``v.sum()``)
+sees the write in the model but would not see it in the copy, so such a write is refused, naming that call;
+so is a write of several tensors, or of one that no call returned whole (a part of a tuple). A gap left:
+the replay allocates an IR node's saved tensors with its value and frees its inputs after, but where the
+clone is the value's last reader, the value goes before the write saves anything (a ``clamp_``'s copy of
+its input, a dropout's mask), so such a plan is predicted above its measured peak by up to what the write
+saves (9% on ``WritesAfterReads`` in two of 34 plans tried; never below; no zoo net has such a node).
 
 NOTE [one input]
 The harness feeds a model one tensor, the forward's first argument. Hugging Face-style forwards take more
@@ -103,7 +124,8 @@ torch.fx records calls, not the grad mode they ran in: a ``with torch.no_grad():
 EMA update, a codebook assignment, a statistic used as a constant) would run with autograd on, and
 gradients would flow where the model sends none. The tracer notes each node made while grad mode is off
 (``node.meta["no_grad"]``), and every runner runs it so: the probe, the executor (``grad_mode``) and the
-compiled path, whose fx module turns the mode off around it (``marked_module`` in ``harness/compiled.py``).
+compiled path, whose fx module turns the mode off around it (``marked_module`` in ``harness/compiled.py``;
+its marks, the values themselves, run with the mode on, so a write under ``no_grad`` cuts no gradient).
 
 NOTE [autocast in the forward]
 fx records calls, not the autocast they ran in, and the probe runs on meta, where ``torch.autocast``
@@ -272,6 +294,9 @@ class Traced:
     group_of: dict[str, int]  # fx node name -> IR node, for the fx nodes that belong to one
     fx_node_count: int  # layer calls (fx nodes other than inputs, attributes and the output)
     written_in_place: frozenset[str] = frozenset()  # fx nodes that write their IR node's storage in place
+    # The members before an IR node's last writer that return the tensor it returns (a layer's output that a
+    # write in place such as ``x[i] = y`` or ``h.relu_()`` then wrote, read by name after the write) -> the IR node
+    same_tensor: dict[str, int] = dataclasses.field(default_factory=dict)
     writes_state: frozenset[str] = frozenset()  # fx nodes that write an input, parameter or buffer in place
     state_order: frozenset[tuple[str, str]] = frozenset()  # (reader, writer): a buffer read before a write
     written_buffers: frozenset[str] = frozenset()  # buffers such a write writes
@@ -288,6 +313,33 @@ class TraceFailure(RuntimeError):
     pass
 
 
+class _CopyFirst(Exception):
+    """The probe's word that in-place write ``write`` is to write a copy of the value ``holders`` hold
+    (NOTE [a write after a read]); ``via_write``: the write returns the tensor it wrote."""
+
+    def __init__(self, write: str, holders: list[str], via_write: bool):
+        super().__init__(f"write {write} is to write a copy")
+        self.write, self.holders, self.via_write = write, holders, via_write
+
+
+def _copy_before_write(gm: fx.GraphModule, copy_first: _CopyFirst):
+    """Make the write of ``copy_first`` write a copy (NOTE [a write after a read]): a ``clone`` of the value
+    just before the write, which the write writes instead, and which every later call reads."""
+    nodes = {node.name: node for node in gm.graph.nodes}
+    write, holders = nodes[copy_first.write], [nodes[name] for name in copy_first.holders]
+    with gm.graph.inserting_before(write):
+        copied = gm.graph.call_method("clone", (next(h for h in holders if h in write.all_input_nodes),))
+    for holder in holders:
+        write.replace_input_with(holder, copied)
+    written = write if copy_first.via_write else copied
+    later = write.next
+    while later.op != "root":
+        for holder in holders:
+            later.replace_input_with(holder, written)
+        later = later.next
+    gm.recompile()
+
+
 def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str = "paper", loss_fn=None) -> Traced:
     """Trace ``model`` on ``example_input`` into a ``Traced`` (see NOTE [nodes are storages]); the graph's
     ``loss_bytes`` and ``loss_held_bytes`` are what ``loss_fn`` (default: the executor's, the sum of the
@@ -297,10 +349,15 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
     gm = _symbolic_trace(model, example_input)
     # On meta, a tensor the program makes without naming a device (``torch.randn(8)``) is made on meta too.
     with torch.device("meta"), _attention_as_on(example_input.device, gm):
-        meta_module = gm if _on_meta(gm) else _meta_copy(gm)
-        probe = _Probe(meta_module, cost_model)
-        with torch.enable_grad():
-            output = probe.run(example_input.to("meta").requires_grad_(False))
+        while True:
+            meta_module = gm if _on_meta(gm) else _meta_copy(gm)
+            probe = _Probe(meta_module, cost_model)
+            try:
+                with torch.enable_grad():
+                    output = probe.run(example_input.to("meta").requires_grad_(False))
+                break
+            except _CopyFirst as copy_first:  # NOTE [a write after a read]; then probe the new program
+                _copy_before_write(gm, copy_first)
         kept = next(((node, where) for node, where in gm.meta.get("kept_as_attributes", {}).items()
                      if node in probe.group_of), None)
         if kept:  # NOTE [values held outside the program]
@@ -1201,6 +1258,7 @@ class _Probe(fx.Interpreter):
         self.in_place_nodes: set[object] = set()  # autograd nodes of in-place writes (a ReLU's, ``+=``'s)
         self.in_place_names: set[str] = set()  # the fx nodes that make those writes
         self.out_of_place: set[str] = set()  # augmented assignments that cannot write in place
+        self.returned: dict[str, int] = {}  # fx node -> id of the tensor it returned (alive: ``_keep_alive``)
         self.state_readers: dict[int, list[fx.Node]] = {}  # static storage -> the IR node members that read it
         self.state_after: dict[int, set[int]] = {}  # static storage -> the IR nodes its last write follows
         self.state_writers: set[str] = set()
@@ -1252,8 +1310,8 @@ class _Probe(fx.Interpreter):
             {"generators"} if draws.seen else set())
         if state:
             self.shared_state[node.name] = frozenset(state)
-        wrote = any(t._version != v for t, v in zip(inputs, versions) if id(_storage(t)) not in self.static)
-        self._record(node, result, saved, flops.get_total_flops(), wrote)
+        written = [t for t, v in zip(inputs, versions) if t._version != v and id(_storage(t)) not in self.static]
+        self._record(node, result, saved, flops.get_total_flops(), written)
         if called is not None and (g := self.group_of.get(node.name)) is not None:  # NOTE [tensors a module keeps]
             made = [t for t in non_leaf_attributes(called)
                     if id(_storage(t)) not in attributes_before and self._group(_storage(t)) is None]
@@ -1312,12 +1370,41 @@ class _Probe(fx.Interpreter):
         g = self._group(_storage(value))
         return g is not None and all(h == g for h in self.readers.get(g, {}))
 
+    def _copy_first(self, node: fx.Node, written: list[torch.Tensor], result, g: int, reader: fx.Node):
+        """``node`` wrote the value of IR node ``g`` in place after ``reader`` read it: raise ``_CopyFirst``
+        for the trace to make it write a copy (NOTE [a write after a read]), or refuse where a later call
+        would read the value as a tensor the copy does not replace."""
+        def refuse(why: str):
+            raise TraceFailure(
+                f"in-place write {_describe(node, self.module)} changes the value of "
+                f"{_describe(self.groups[g]['members'][0], self.module)} after {_describe(reader, self.module)} "
+                f"read it, and {why}, so it cannot write a copy instead. Write out of place (e.g. relu instead "
+                "of relu_, inplace=False; for x[i] = y, torch.where or x.index_put)")
+
+        target = written[0]
+        if any(t is not target for t in written):
+            refuse("it writes several tensors")
+        holders = {n for n, value in self.env.items() if value is target}  # the value as the tensor written
+        if not holders & set(node.all_input_nodes):
+            refuse("it writes a tensor no call returned as such (a part of a tuple or list)")
+        aliases = {n for n, value in self.env.items() if n not in holders and any(
+            isinstance(t, torch.Tensor) and self._group(_storage(t)) == g for t in tree_leaves(value))}
+        later = node.next
+        while later.op != "root":
+            if seen := next((n for n in later.all_input_nodes if n in aliases), None):
+                refuse(f"{_describe(later, self.module)} reads it after the write through {seen.name}, a view "
+                       "of it (or a tuple holding one) made before")
+            later = later.next
+        raise _CopyFirst(node.name, sorted(n.name for n in holders), result is target)
+
     def _inputs(self, node: fx.Node):
         return [self.env[n] for n in node.all_input_nodes if n in self.env]
 
-    def _record(self, node: fx.Node, result, saved, flop_count, wrote_in_place: bool):
+    def _record(self, node: fx.Node, result, saved, flop_count, written: list[torch.Tensor]):
         outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
         self._keep_alive += outputs
+        if isinstance(result, torch.Tensor):
+            self.returned[node.name] = id(result)
         new = {}
         for t in outputs:
             s = _storage(t)
@@ -1346,20 +1433,16 @@ class _Probe(fx.Interpreter):
             return  # no tensor, or a view of an input or parameter: not an IR node
         group = self.groups[g]
         group["members"].append(node)
-        view = not new and not wrote_in_place
+        view = not new and not written
         if view:
             self.view_names.add(node.name)
-        self._claim(outputs, g, view, wrote_in_place)
-        if wrote_in_place:
+        self._claim(outputs, g, view, bool(written))
+        if written:
             group["final"] = node
             self.in_place_names.add(node.name)
             others = [reader for h, reader in self.readers.get(g, {}).items() if h != g]
             if others:
-                raise TraceFailure(
-                    f"in-place write {_describe(node, self.module)} changes the value of "
-                    f"{_describe(group['members'][0], self.module)} after {_describe(others[0], self.module)} "
-                    "read it; a recomputation of that reader would see the new value. Write out of place "
-                    "(e.g. relu instead of relu_, inplace=False; for x[i] = y, torch.where or x.index_put)")
+                self._copy_first(node, written, result, g, others[0])
         for source in node.all_input_nodes:
             h = self.group_of.get(source.name)
             if h is not None:
@@ -1454,8 +1537,11 @@ class _Probe(fx.Interpreter):
         )
         members = tuple(tuple(node.name for node in g["members"]) for g in groups)
         group_of = {name: i for i, names in enumerate(members) for name in names}
+        same_tensor = {node.name: rank[g] for g, group in enumerate(self.groups)
+                       for node in group["members"][:group["members"].index(group["final"])]
+                       if self.returned.get(node.name, -1) == self.returned.get(group["final"].name)}
         return Traced(module=gm, graph=graph, members=members, group_of=group_of, fx_node_count=self.fx_count,
-                      written_in_place=frozenset(self.in_place_names),
+                      written_in_place=frozenset(self.in_place_names), same_tensor=same_tensor,
                       writes_state=frozenset(self.state_writers), state_order=frozenset(self.state_order),
                       written_buffers=frozenset(self.written_buffers.values()), shared_state=dict(self.shared_state))
 
