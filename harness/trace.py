@@ -97,7 +97,9 @@ is traced again by ``_SizedTracer``, which also runs each call on meta: a proxy 
 ``size()``, ``dim()``, ``numel()``, ``dtype`` and ``len()`` with its value's, iterates as its parts and
 is true or false as its value, and the program takes the branch the example's sizes take. The device is
 the example's, not meta: ``x.device.type == "cpu"`` takes the branch of the device the model runs on
-(transformers counts a mixture of experts' tokens one way on the CPU, another on CUDA). With sizes
+(transformers counts a mixture of experts' tokens one way on the CPU, another on CUDA), and its name is a
+string (timm's EfficientViT hands ``v.device.type`` to ``torch.autocast``; a proxy's attributes are sized
+proxies in their turn, ``_SizedAttribute``, and a device's ``type`` and ``index`` its own). With sizes
 numbers, a torch call on no traced value would run once in the trace and its tensor be held as a
 constant: a buffer cut to the sequence and expanded to the batch (BERT's position and token type ids), a
 mask made for the sequence. Such a call that makes a tensor is a node instead, made every step as the
@@ -134,7 +136,9 @@ values sized as float32, and run so by every plan, vanilla included (a bfloat16 
 out 0.6% off plain PyTorch's). Running the recorded nodes under their autocast again is not enough: a
 cast autocast makes (``h.float()`` after a bfloat16 block) is a new storage on the device and an alias on
 meta, so the IR's storages would not be the program's. The tracer notes each node made under autocast,
-and a model with one is refused, naming the call and its module.
+and a model with one is refused, naming the call and its module. A block that turns autocast off
+(``torch.autocast(..., enabled=False)``, to keep a part in float32 where the caller casts) makes no node
+under autocast, and traces: the harness runs no autocast around the model.
 
 NOTE [custom autograd functions]
 fx traces through a custom ``torch.autograd.Function``: ``apply`` runs its forward on the proxies, which
@@ -764,14 +768,21 @@ class _SizedProxy(_AugmentedProxy):
         return tracer.values.get(self.node) if isinstance(tracer, _SizedTracer) else None
 
     def __getattr__(self, name: str):
-        if isinstance(value := self._value(), torch.Tensor) and name in _SIZES:
+        value = self._value()
+        if isinstance(value, torch.Tensor) and name in _SIZES:
             return getattr(value, name)
-        return super().__getattr__(name)
+        if isinstance(value, torch.device) and name in ("type", "index"):  # a name, not a device to make on
+            return getattr(value, name)  # (timm: ``torch.autocast(device_type=v.device.type, enabled=False)``)
+        return _SizedAttribute(self, name)
 
     def __len__(self):
         if isinstance(value := self._value(), (torch.Tensor, tuple, list)):
             return len(value)
         return super().__len__()
+
+
+class _SizedAttribute(fx.proxy.Attribute, _SizedProxy):
+    """An attribute of a sized proxy (``x.device``), sized in its turn; fx makes its node when it is used."""
 
 
 # What a sized proxy answers from its value; the device is the example's, not meta (NOTE [sizes fixed at

@@ -832,7 +832,8 @@ def test_a_forwards_other_arguments_take_their_defaults_and_one_without_is_refus
 
 class SizedByItsInput(nn.Module):
     """Python that computes with the input's sizes, as models outside timm and torchvision do: a pad where
-    the side is odd, a branch on the device (transformers' experts count tokens so on the CPU), a tensor
+    the side is odd, branches on the device (transformers' experts count tokens so on the CPU) and its name
+    handed to Python (``torch.autocast(device_type=x.device.type, enabled=False)``, as timm's), a tensor
     made for the batch, a position buffer cut to the sequence and expanded to the batch (BERT's), a causal
     mask made for the sequence, a loop over chunks, len(), an activation module made in the forward."""
 
@@ -855,7 +856,12 @@ class SizedByItsInput(nn.Module):
         sequence = x.size(1)
         x = x + self.position(self.positions[:, :sequence].expand(len(x), -1))
         causal = torch.ones(sequence, sequence, dtype=torch.bool).tril()
-        scores = (self.mix(x) @ x.transpose(1, 2)).masked_fill(~causal, float("-inf"))
+        if x.device.type != "meta":  # timm's EfficientViT keeps its attention out of autocast so
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                scores = self.mix(x) @ x.transpose(1, 2)
+        else:
+            scores = self.mix(x) @ x.transpose(1, 2)
+        scores = scores.masked_fill(~causal, float("-inf"))
         x = self.drop(scores.softmax(-1)) @ x
         parts = [nn.Tanh()(part) for part in x.chunk(2, dim=-1)]
         x = torch.cat(parts, dim=-1)
@@ -866,7 +872,8 @@ class SizedByItsInput(nn.Module):
 def test_python_on_the_inputs_sizes_is_traced_for_the_examples_sizes():
     # NOTE [sizes fixed at the example's]: fx refused the first ``if`` on a size, and, with the sizes numbers,
     # the expanded buffer, the mask and the zeros were made once by the trace and held as constants; traced
-    # on meta, the branch on the device was meta's, which the CPU does not take.
+    # on meta, the branch on the device was meta's, which the CPU does not take; x.device.type was a proxy,
+    # which torch.autocast refused.
     torch.manual_seed(0)
     model, x = SizedByItsInput().double(), torch.randn(3, 3, 9, 9, dtype=torch.float64)
     loss_fn = lambda out: out.square().mean()  # noqa: E731
@@ -1190,7 +1197,8 @@ def test_coverage_runs_a_source_in_bfloat16_and_keeps_float32_rows_apart(tmp_pat
     names = coverage.catalogue()
     assert coverage.select(names, "hf:") == [f"hf:{t}" for t in coverage.HF_MODEL_TYPES]
     assert coverage.select(names, "hf:gpt2,smp:") == ["hf:gpt2", *(n for n in names if n.startswith("smp:"))]
-    for bad in ("hf:gpt3", "timm:"):
+    assert coverage.select(names, "timm:") == [f"timm:{name}" for name in coverage.TIMM_MODELS]
+    for bad in ("hf:gpt3", "module:"):
         with pytest.raises(SystemExit, match=f"not in the catalogue: \\['{bad}'\\].*hf:"):
             coverage.select(names, bad)
     with pytest.raises(ValueError, match="bfloat16"):

@@ -2,7 +2,9 @@
 
 ``python -m harness.bench.coverage results/coverage [--models a,b] [--rows DIR] [--dtype D]`` takes every torchvision
 classification model (``torchvision.models.list_models(module=torchvision.models)``), torchvision's
-segmentation models, smp's ``Unet``, ``FPN`` and ``PSPNet`` on three encoders, and Hugging Face
+segmentation models, a small model of each of 46 timm families (``TIMM_MODELS``, at its config's side, with
+stochastic depth 0.1 where it takes ``drop_path_rate``), smp's ``Unet``, ``FPN`` and ``PSPNet`` on three
+encoders, and Hugging Face
 ``transformers`` causal LMs by model type (``HF_MODEL_TYPES``: two small layers, ``HF_SMALL``, on the CPU,
 sequence 32; their config's defaults on meta, batch 8, sequence up to 1024). For each, on the CPU at a small
 input (batch 2, side 64; a ViT at its patch size times 4; ``SIDES`` where a model needs more) with dropout,
@@ -50,6 +52,16 @@ SMALL_BATCH, SMALL_SIDE, META_BATCH = 2, 64, 32
 # traces to a graph of layers x sequence nodes, over 10 GB to trace at 1024 tokens.)
 HF_MODEL_TYPES = ("gpt2", "gpt_neox", "gptj", "opt", "bloom", "bert", "llama", "mistral", "mixtral", "qwen2", "qwen3",
                   "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "starcoder2", "stablelm", "granite", "gpt_oss")
+# timm: a small model of each family people train, CNNs, ViTs, hybrids and MLPs (its config's side).
+TIMM_MODELS = (
+    "resnet50d", "efficientnet_b0", "mobilenetv3_large_100", "convnext_atto", "vit_tiny_patch16_224",
+    "deit_tiny_patch16_224", "swin_tiny_patch4_window7_224", "regnety_008", "rexnet_100", "ghostnet_100",
+    "levit_128s", "mixer_s16_224", "resmlp_12_224", "poolformer_s12", "coat_lite_tiny", "twins_svt_small",
+    "pit_ti_224", "cait_xxs24_224", "xcit_nano_12_p16_224", "efficientformer_l1", "mobilevit_xxs",
+    "edgenext_xx_small", "coatnet_nano_rw_224", "fastvit_t8", "repvit_m1", "efficientvit_b0", "hgnet_tiny",
+    "inception_next_tiny", "caformer_s18", "eva02_tiny_patch14_224", "tiny_vit_5m_224", "nfnet_l0", "dla34",
+    "hrnet_w18_small", "cspresnet50", "res2net50_26w_4s", "skresnet18", "resnest14d", "nest_tiny", "gcvit_xxtiny",
+    "davit_tiny", "mvitv2_tiny", "focalnet_tiny_srf", "volo_d1_224", "sequencer2d_s", "gmlp_ti16_224")
 HF_SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
             "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "rotary_dim": 8, "pad_token_id": 0}
 
@@ -60,6 +72,7 @@ def catalogue() -> list[str]:
 
     names = [f"torchvision:{name}" for name in tvm.list_models(module=tvm)]
     names += [f"torchvision:{name}" for name in tvm.list_models(module=tvm.segmentation)]
+    names += [f"timm:{name}" for name in TIMM_MODELS]
     names += [f"smp:{arch}:{encoder}" for arch in SMP_ARCHITECTURES for encoder in SMP_ENCODERS]
     names += [f"hf:{model_type}" for model_type in HF_MODEL_TYPES]
     return names
@@ -84,11 +97,24 @@ def _build(name: str, side: int, batch: int, device: str, dtype: str = "float32"
         if device == "meta":
             return nets.build(name, None, None, device, dtype)
         return nets.build(name, batch, side, device, dtype, kwargs=HF_SMALL)
+    elif name.startswith("timm:") and _takes_drop_path(name.removeprefix("timm:")):
+        options = {"kwargs": {"drop_path_rate": 0.1}}
     elif name.startswith("torchvision:vit_"):
         patch = int(name.rsplit("_", 1)[1])
         side = side if side == 224 else 4 * patch
         options = {"kwargs": {"image_size": side}}
     return nets.build(name, batch, side, device, dtype, **options)
+
+
+def _takes_drop_path(name: str) -> bool:
+    """Whether timm model ``name`` takes ``drop_path_rate`` (stochastic depth)."""
+    import timm
+
+    try:
+        timm.create_model(name, pretrained=False, drop_path_rate=0.1)
+    except TypeError:
+        return False
+    return True
 
 
 # (small side on the CPU, usual side on meta) where the defaults do not fit the model.
@@ -101,6 +127,8 @@ def _sides(name: str) -> tuple[int, int]:
         return SMALL_SIDE, 512
     if name.startswith("hf:"):
         return 32, None
+    if name.startswith("timm:"):  # its config's, on both: many take no other
+        return None, None
     return SIDES.get(name, (SMALL_SIDE, 224))
 
 
@@ -248,8 +276,8 @@ def main(argv=None) -> None:
     header = (f"Made by `{command}` on {datetime.date.today().isoformat()}; {', '.join(_dtypes(rows))}; exactness "
               f"on cpu (batch {SMALL_BATCH}, side {SMALL_SIDE}, dropout and stochastic depth on, torch "
               f"{torch.__version__}), reductions measured on meta (meta-tracker, batch {META_BATCH}, side 224; smp "
-              f"512; hf: two small layers and sequence 32 on cpu; the config's defaults, batch 8 and up to 1024 "
-              f"tokens on meta).\n\n")
+              f"512; timm: its config's side on both; hf: two small layers and sequence 32 on cpu; the config's "
+              f"defaults, batch 8 and up to 1024 tokens on meta).\n\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     out.to_csv(args.out.with_suffix(".csv"), index=False, float_format="%.3g")
     args.out.with_suffix(".md").write_text(header + totals + "\n\n" + out.to_markdown(index=False, floatfmt=".2g") + "\n")
