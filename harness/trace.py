@@ -74,11 +74,12 @@ itself (where the earlier reader saved the value for its backward, plain PyTorch
 an inplace operation", and the traced program computes what the model's code says). A later call that
 reads the value through a view taken before the write (``v = h[:, :2]`` ... ``h.relu_()`` ... ``v.sum()``)
 sees the write in the model but would not see it in the copy, so such a write is refused, naming that call;
-so is a write of several tensors, or of one that no call returned whole (a part of a tuple). A gap left:
-the replay allocates an IR node's saved tensors with its value and frees its inputs after, but where the
+so is a write of several tensors, or of one that no call returned whole (a part of a tuple). Where the
 clone is the value's last reader, the value goes before the write saves anything (a ``clamp_``'s copy of
-its input, a dropout's mask), so such a plan is predicted above its measured peak by up to what the write
-saves (9% on ``WritesAfterReads`` in two of 34 plans tried; never below; no zoo net has such a node).
+its input, a dropout's mask): the probe notes an IR node whose calls save all its extras after their last
+read of another node's value (``Graph.extras_after_reads``), and the replay makes those extras after the
+values that go at the node have gone (``_call`` in ``strategies/simulate.py``; made beside the value, they
+put two plans of 32 tried 7% and 9% above their measured peak; no zoo net has such a node).
 
 NOTE [one input]
 The harness feeds a model one tensor, the forward's first argument. Hugging Face-style forwards take more
@@ -1435,7 +1436,7 @@ class _Probe(fx.Interpreter):
             g = len(self.groups)
             self.groups.append(dict(members=[], final=node, bytes=sum(s.nbytes() for s in new.values()), cost=0.0, flops=0,
                                     reads=set(), extra={}, made_attributes={}, params=set(), after=set(),
-                                    kind=_kind(node, self.module)))
+                                    kind=_kind(node, self.module), saved_since_read=set()))
             for s in new.values():
                 self.group_of_storage[id(s)] = (weakref.ref(s), g)
         elif aliased:
@@ -1469,6 +1470,10 @@ class _Probe(fx.Interpreter):
             elif id(_storage(t)) not in self.static:
                 extras[id(_storage(t))] = _storage(t).nbytes()
         group["extra"].update(extras)
+        if any(self.group_of.get(source.name, g) != g for source in node.all_input_nodes):
+            group["saved_since_read"] = set()  # for Graph.extras_after_reads: saved while it reads, not after
+        else:
+            group["saved_since_read"].update(extras)
         self._keep_alive += saved
 
     def _claim(self, outputs, g: int, view: bool, in_place: bool):
@@ -1526,6 +1531,8 @@ class _Probe(fx.Interpreter):
             attribute_bytes=[sum(b for key, b in {**g["made_attributes"], **g["extra"]}.items()
                                  if key in self.kept_by_modules) for g in groups],
             attribute_saved=[any(key in self.kept_by_modules for key in g["extra"]) for g in groups],
+            extras_after_reads=[bool(saved := set(g["extra"]) - self.kept_by_modules) and saved <= g["saved_since_read"]
+                                for g in groups],
             param_bytes=param_bytes, param_sharers=[sorted(s) for s in sharers],
             scopes=[_scope(g["final"]) for g in groups],
             flops=[g["flops"] for g in groups],

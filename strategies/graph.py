@@ -118,6 +118,10 @@ class Graph:
     ``forward_transient_bytes[v]`` is the most a call of ``v``'s layer holds, while it runs, above what it
     leaves (a ``Linear`` on a non-contiguous batch of sequences multiplies, then adds its bias into a new
     buffer); measured in the forward of a plain step, None on hand-written graphs.
+    ``extras_after_reads[v]``: the layer's calls save all its extras after the last of them that reads
+    another node's value, so the values that go at ``v`` go before its extras come (a copy's ``clamp_``
+    saves its input after the ``clone`` read the value it copies: NOTE [a write after a read] in
+    ``harness/trace.py``); measured by the trace, None (no such layer) on hand-written graphs.
     ``unpack_held_bytes[v]`` lists, in the order the backward of ``v``'s layer first unpacks them, pairs
     ``(u, bytes)``: the node whose value it unpacks (``u == v``: its own value, or what it saved besides)
     and what it holds then above what was live as it began (a weight-normalised layer's product has made
@@ -178,6 +182,7 @@ class Graph:
     unreached: tuple[int, ...] = ()
     preds_without_grad: tuple[tuple[int, ...], ...] | None = None
     shared_state: tuple[tuple[str, ...], ...] | None = None
+    extras_after_reads: tuple[bool, ...] | None = None
     reached: tuple[bool, ...] = field(init=False, repr=False, compare=False)  # not unreached, per node
     preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
@@ -193,7 +198,7 @@ class Graph:
                  early_grads=None, loss_forward_bytes=0, outputs=None, loss_grad_bytes=None, loss_reads=(),
                  backward_frees=None, forward_transient_bytes=None, param_sharers=None, unpack_held_bytes=None,
                  attribute_bytes=None, unreached=(), loss_unpack_bytes=0, preds_without_grad=None,
-                 shared_state=None, attribute_saved=None):
+                 shared_state=None, attribute_saved=None, extras_after_reads=None):
         n = len(mem_bytes)
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
         put("mem_bytes", tuple(int(m) for m in mem_bytes))
@@ -260,6 +265,7 @@ class Graph:
         put("attribute_saved", tuple(bool(b) for b in (attribute_saved if attribute_saved is not None else
                                                        [b > 0 for b in self.attribute_bytes])))
         put("unreached", tuple(sorted({int(v) for v in unreached})))
+        put("extras_after_reads", None if extras_after_reads is None else tuple(bool(b) for b in extras_after_reads))
         unreached_set = set(self.unreached)
         put("reached", tuple(v not in unreached_set for v in range(n)))
         without = preds_without_grad if preds_without_grad is not None else [()] * n
@@ -323,7 +329,7 @@ class Graph:
                  "backward_work_bytes", "loss_held_bytes", "recompute_state_bytes", "backward_peak_bytes",
                  "early_grads", "loss_forward_bytes", "outputs", "loss_grad_bytes", "loss_reads", "backward_frees",
                  "forward_transient_bytes", "param_sharers", "unpack_held_bytes", "attribute_bytes", "unreached",
-                 "loss_unpack_bytes", "preds_without_grad", "shared_state", "attribute_saved")
+                 "loss_unpack_bytes", "preds_without_grad", "shared_state", "attribute_saved", "extras_after_reads")
         return Graph(**{name: fields.get(name, getattr(self, name)) for name in names})
 
     def saves_more(self, v: int) -> bool:

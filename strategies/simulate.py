@@ -30,8 +30,9 @@ PyTorch's reference-counted autograd does):
   pass only if it is kept and something needs it there (a backward that saved it, the loss's backward,
   or the recomputation of a discarded successor);
 - what a layer's backward saves besides node values (``saved_extra_bytes``: pooling indices) lives from
-  the layer's forward to its backward, or, for a recomputed layer, from its recomputation; what a layer's
-  call holds only while it runs (``forward_transient_bytes``: a ``Linear`` on a non-contiguous batch of
+  the layer's forward to its backward, or, for a recomputed layer, from its recomputation (made after the
+  values that go at the layer have gone where its calls save them after reading those: ``_call``); what a
+  layer's call holds only while it runs (``forward_transient_bytes``: a ``Linear`` on a non-contiguous batch of
   sequences makes its product, then a new buffer for the bias's sum) comes and goes with the call, in the
   forward and in a recomputation alike;
 - the loss (NOTE [the loss] in ``harness/trace.py``): its forward holds ``loss_forward_bytes`` beside
@@ -381,7 +382,7 @@ def _forward(graph, order, kept, saves, swapped, readers, recompute_stages, foun
                 frees.append(("value", u))
         if not graph.succs[v] and not held(v) and v not in outputs:  # read by nothing at all
             frees.append(("value", v))
-        steps.append(Step(v, "forward", tuple(allocs), tuple(frees)))
+        steps += _call(graph, v, "forward", allocs, frees)
     # The loss's forward: the model returned its outputs, so all of them are here. Then they go, unless a
     # backward reads them (the loss's own among them: ``readers``).
     loss = [(("loss_forward", -1), graph.loss_forward_bytes)] if graph.loss_forward_bytes else []
@@ -729,7 +730,7 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
             if not held_next >> k & 1 and not read_later(row, k, k) and not (t < n and outputs >> k & 1):
                 frees.append(("value", k))
             present &= ~sum(1 << i for kind, i in frees if kind == "value")
-            steps.append(Step(k, "forward" if t == k else "recompute", tuple(allocs), tuple(frees)))
+            steps += _call(graph, k, "forward" if t == k else "recompute", allocs, frees)
             if k == v and not in_place_done:
                 present &= ~in_place_members(k)
                 in_place_done = True
@@ -787,6 +788,17 @@ def _held_at_unpack(graph: Graph, v: int, missing) -> int:
         if missing(u):
             return held
     return 0
+
+
+def _call(graph: Graph, v: int, phase: str, allocs: list, frees: list) -> list[Step]:
+    """A call of ``v``'s layer: its allocations, then its frees; in two steps where its extras come after
+    the values that go at it have gone (``Graph.extras_after_reads``)."""
+    if not (graph.extras_after_reads and graph.extras_after_reads[v]):
+        return [Step(v, phase, tuple(allocs), tuple(frees))]
+    extra = [alloc for alloc in allocs if alloc[0] == ("extra", v)]
+    inputs_gone = [key for key in frees if key[0] in ("value", "copy") and key[1] != v]
+    return [Step(v, phase, tuple(alloc for alloc in allocs if alloc not in extra), tuple(inputs_gone)),
+            Step(v, phase, tuple(extra), tuple(key for key in frees if key not in inputs_gone))]
 
 
 def _transient(graph: Graph, v: int, allocs: list, frees: list, first: bool):
@@ -864,7 +876,7 @@ def _recompute_stage(graph, nodes, copy, s, present, readers_left, stages_left, 
             frees.append(("state", o))
         _transient(graph, o, allocs, frees, first=False)
         steps += _attribute_again(graph, o)
-        steps.append(Step(o, "recompute", tuple(allocs), tuple(frees)))
+        steps += _call(graph, o, "recompute", allocs, frees)
     for u in range(n):
         if s in stages_left[u]:  # this stage's recomputation was the last reader of a kept value
             stages_left[u].discard(s)

@@ -2,6 +2,7 @@
 
 import functools
 import itertools
+import random
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from harness.execute import execute
 from harness.measure import MemoryTracker, measure
 from harness.run import fixed_bytes
 from harness.trace import non_leaf_attributes, trace
+from test_any_model import WritesAfterReads
 
 CORE = [("vanilla", {}), ("liveness_only", {}), ("chen_sqrt", {}), ("chen_greedy", {}),
         ("approx_dp", {"mode": "tc"}), ("approx_dp", {"mode": "mc"})]
@@ -643,6 +645,30 @@ def test_an_addition_in_place_after_a_branch_is_predicted_to_the_byte(name):
     plan = strategies.solve(name, traced.graph)
     measured, predicted = measured_and_predicted(model, x, loss_fn, traced, plan)
     assert measured == predicted
+
+
+def test_a_layer_that_saves_after_its_inputs_go_is_replayed_so():
+    # Graph.extras_after_reads: a write after a read writes a copy (NOTE [a write after a read] in
+    # harness/trace.py), and where the clone is the value's last reader, the value goes before the in-place
+    # dropout saves its mask. Replayed with the mask made beside the value, two of these plans were
+    # predicted 7% and 9% above their measured peak.
+    model, x = WritesAfterReads().to("meta"), torch.randn(64, 16, device="meta")
+    loss_fn = lambda out: out.square().mean()  # noqa: E731
+    traced = trace(model, x, loss_fn=loss_fn)
+    graph = traced.graph
+    assert [graph.names[v] for v in range(len(graph)) if graph.extras_after_reads[v]] == ["dropout"]
+    rng, n = random.Random(0), len(graph)
+    plans = [strategies.solve(name, graph) for name in ("chen_sqrt", "approx_dp")]
+    for _ in range(30):
+        cuts = [0, *sorted(rng.sample(range(1, n), rng.randint(1, n - 1))), n]
+        plans.append(strategies.Plan.from_stages(graph, [strategies.bits(range(a, b)) for a, b in zip(cuts, cuts[1:])]))
+    before = graph.replace(extras_after_reads=None)
+    moved = 0
+    for plan in plans:
+        measured, predicted = measured_and_predicted(model, x, loss_fn, traced, plan)
+        assert measured == predicted, plan
+        moved += strategies.simulate(before, plan).peak_bytes != strategies.simulate(graph, plan).peak_bytes
+    assert moved
 
 
 @pytest.mark.parametrize("net", [*nets.PAPER_NETS, "vit_b_16", "gpt2"])
