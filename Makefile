@@ -23,5 +23,6 @@ wheels: $(WHEELS)/.ready
 run: $(VENV)/.installed
 	$(PY) -m harness +net=resnet50 +strategy=vanilla
 
+# One worker per core, at most four (each holds a few GB); a file's tests share a worker, and its caches.
 test: $(VENV)/.installed
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --maxprocesses 4 --dist loadfile
