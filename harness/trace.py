@@ -337,12 +337,16 @@ def _copy_before_write(gm: fx.GraphModule, copy_first: _CopyFirst):
     for holder in holders:
         write.replace_input_with(holder, copied)
     written = write if copy_first.via_write else copied
-    later = write.next
-    while later.op != "root":
+    for later in _nodes_after(write):
         for holder in holders:
             later.replace_input_with(holder, written)
-        later = later.next
     gm.recompile()
+
+
+def _nodes_after(node: fx.Node):
+    """The nodes of ``node``'s graph that come after it, in order."""
+    while (node := node.next).op != "root":
+        yield node
 
 
 def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str = "paper", loss_fn=None) -> Traced:
@@ -1401,12 +1405,10 @@ class _Probe(fx.Interpreter):
             refuse("it writes a tensor no call returned as such (a part of a tuple or list)")
         aliases = {n for n, value in self.env.items() if n not in holders and any(
             isinstance(t, torch.Tensor) and self._group(_storage(t)) == g for t in tree_leaves(value))}
-        later = node.next
-        while later.op != "root":
+        for later in _nodes_after(node):
             if seen := next((n for n in later.all_input_nodes if n in aliases), None):
                 refuse(f"{_describe(later, self.module)} reads it after the write through {seen.name}, a view "
                        "of it (or a tuple holding one) made before")
-            later = later.next
         raise _CopyFirst(node.name, sorted(n.name for n in holders), result is target)
 
     def _inputs(self, node: fx.Node):
@@ -1455,10 +1457,9 @@ class _Probe(fx.Interpreter):
             others = [reader for h, reader in self.readers.get(g, {}).items() if h != g]
             if others:
                 self._copy_first(node, written, result, g, others[0])
-        for source in node.all_input_nodes:
-            h = self.group_of.get(source.name)
-            if h is not None:
-                self.readers.setdefault(h, {}).setdefault(g, node)
+        read = {h for source in node.all_input_nodes if (h := self.group_of.get(source.name)) is not None}
+        for h in read:
+            self.readers.setdefault(h, {}).setdefault(g, node)
         group["cost"] += _cost(node, self.module, self.cost_model, flop_count)
         group["flops"] += flop_count
         self.group_of[node.name] = g
@@ -1470,7 +1471,7 @@ class _Probe(fx.Interpreter):
             elif id(_storage(t)) not in self.static:
                 extras[id(_storage(t))] = _storage(t).nbytes()
         group["extra"].update(extras)
-        if any(self.group_of.get(source.name, g) != g for source in node.all_input_nodes):
+        if read - {g}:
             group["saved_since_read"] = set()  # for Graph.extras_after_reads: saved while it reads, not after
         else:
             group["saved_since_read"].update(extras)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import sys
@@ -106,6 +107,7 @@ def _build(name: str, side: int, batch: int, device: str, dtype: str = "float32"
     return nets.build(name, batch, side, device, dtype, **options)
 
 
+@functools.cache  # asked by the CPU build and the meta build of each model
 def _takes_drop_path(name: str) -> bool:
     """Whether timm model ``name`` takes ``drop_path_rate`` (stochastic depth)."""
     import timm
