@@ -73,7 +73,7 @@ from torch.utils._pytree import tree_leaves
 from harness.measure import on_host, recomputing
 from harness.nets import sum_loss
 from harness.trace import Traced, generators_of, grad_mode, rng_state, set_rng_state, written_state
-from strategies import Plan, members
+from strategies import Plan, bits, members
 from strategies.simulate import called_for
 
 
@@ -158,7 +158,8 @@ class _Step:
     def __post_init__(self):
         graph = self.traced.graph
         self.discarded = set(members(self.plan.recomputed))
-        self.recomputable = {name for g in self.discarded for name in self.traced.members[g]}
+        remade = self.discarded - set(members(graph.never_recomputed()))  # its RNG and state are kept for it
+        self.recomputable = {name for g in remade for name in self.traced.members[g]}
         self.buffer_ids = {id(b) for b in self.traced.module.buffers()}
         self.written = {id(b.untyped_storage()): b for name, b in self.traced.module.named_buffers()
                         if name in self.traced.written_buffers}
@@ -420,7 +421,14 @@ class _Step:
     # -- backward: recomputation ---------------------------------------------------------------------
 
     def _recompute_stage(self, stage: int):
-        groups = [g for g in members(self.plan.stages[stage]) if g in self.discarded]
+        # Only what a token will read, and what that is made from (NOTE [what a recomputation makes] in
+        # strategies/simulate.py); a layer not rerun lets go of the state its forward call found.
+        discarded = bits(g for g in members(self.plan.stages[stage]) if g in self.discarded)
+        wanted = bits(g for g in members(discarded) if self.tokens_left.get(g))
+        groups = members(self.traced.graph.with_inputs_within(wanted, discarded))
+        for g in members(discarded & ~bits(groups)):
+            for name in self.traced.members[g]:
+                self.state_before.pop(name, None)
         names = {name for g in groups for name in self.traced.members[g]}
         order = [n for n in self.order if n.name in names]
         uses = _last_uses(self.traced.module.graph, within=names)

@@ -343,6 +343,22 @@ class Graph:
     def time(self, nodes: int) -> float:
         return sum(map(self.cost.__getitem__, members(nodes)))
 
+    def never_recomputed(self) -> int:
+        """The values no recomputation makes, whatever the plan: those no gradient reaches (an auxiliary
+        head's) that no value a gradient reaches is made from (NOTE [what a recomputation makes] in
+        ``strategies/simulate.py``)."""
+        reached = sum(1 << v for v in range(len(self)) if self.reached[v])
+        return self.all_nodes & ~self.with_inputs_within(reached, self.all_nodes)
+
+    def with_inputs_within(self, nodes: int, within: int) -> int:
+        """``nodes`` and the nodes of ``within`` they read, directly or through other nodes of ``within``:
+        what a recomputation of ``within`` runs to make ``nodes`` (NOTE [what a recomputation makes] in
+        ``strategies/simulate.py``)."""
+        for v in reversed(members(within)):  # a node's inputs come before it
+            if nodes >> v & 1:
+                nodes |= self.pred_mask[v] & within
+        return nodes
+
 
 def _validate(graph: Graph) -> None:
     n = len(graph.mem_bytes)

@@ -105,8 +105,9 @@ def cost(tg: TrainingGraph, computed: tuple[int, ...]) -> float:
 
 def from_plan(graph: Graph, plan: Plan, loss_reads_outputs: bool = True) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(R, S) of a stage plan: the forward in node order; in the backward, the first backward that reads a
-    discarded value of plan stage s (or needs what a discarded layer saves besides it) recomputes all of
-    stage s's discarded nodes (seed 004's canonical strategy, as the executor runs it); every value is held
+    discarded value of plan stage s (or needs what a discarded layer saves besides it) recomputes stage s's
+    discarded nodes that it or a later backward needs, and those they are made from (seed 004's canonical
+    strategy as the executor runs it, NOTE [what a recomputation makes]); every value is held
     from its computation to its last reader. A plan with ``checkpointed`` stages is refused: a schedule holds
     one copy of a value, while ``torch.utils.checkpoint`` rebuilds a block's kept output beside the original
     (NOTE [a checkpointed stage] in ``strategies/simulate.py``)."""
@@ -126,7 +127,11 @@ def from_plan(graph: Graph, plan: Plan, loss_reads_outputs: bool = True) -> tupl
         for u in needs:
             if u < n and discarded >> u & 1 and stage_of[u] not in recomputed_stages:
                 recomputed_stages.add(stage_of[u])
-                computed[t] |= plan.stages[stage_of[u]] & discarded
+                # what the rest of the backward reads (NOTE [what a recomputation makes] in simulate.py)
+                stage = plan.stages[stage_of[u]] & discarded
+                wanted = sum(1 << w for w in members(stage) if any(k >= t for k in tg.users[w])
+                             or graph.saves_more(w) and graph.reached[w] and backward_node(n, w) >= t)
+                computed[t] |= graph.with_inputs_within(wanted, stage)
     return tuple(computed), hold_until_last_use(tg, computed)
 
 

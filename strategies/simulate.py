@@ -42,7 +42,8 @@ PyTorch's reference-counted autograd does):
   what it holds when it unpacks that output, ``loss_unpack_bytes``); its value and seed
   (``loss_held_bytes``) stay to the step's end;
 - backward, in the reverse of that order (the autograd engine's): the first backward of a stage that
-  needs a discarded value recomputes all the discarded values of that stage, from the kept ones (a
+  needs a discarded value recomputes the discarded values of that stage the rest of the backward reads,
+  and those they are made from (NOTE [what a recomputation makes]), from the kept ones (a
   recomputed layer that may write state holds a copy of it, as its forward call found it, from that call
   to the end of its recomputation, ``Graph.recompute_state_bytes``; to the end of the forward pass if its
   stage is not recomputed; a checkpointed stage's, ``batchnorm_once``'s, only while it reruns); each
@@ -57,8 +58,8 @@ PyTorch's reference-counted autograd does):
   gradient: it reads its value while it makes the one it hands on); in-place members that hand a
   gradient on (``out += identity`` written in place after a batch norm, ``Graph.early_grads``) make it
   in that first step. A stage none of whose discarded values is read by a backward is not recomputed at
-  all; ``overhead_cost`` still follows equation (1), which charges every discarded value, so it is an
-  upper bound on what the executor recomputes.
+  all; ``overhead_cost`` is the cost of what the replay recomputes (equation (1), which charges every
+  discarded value, under ``liveness=False``: an upper bound on it).
 - swapped values (``plan.swapped``) leave the device after their last forward use, as if the copy to host
   kept up (``swap_step_time`` says whether it can), and come back when the backward of their
   ``prefetch`` node starts (or when the backward pass starts); from then on they are like kept values.
@@ -66,6 +67,22 @@ A plan with a general ``schedule`` (R, S) is replayed by ``schedule_timeline`` (
 counted by Checkmate's accounting (``liveness=False``, ``strategies/schedule.py``). Both return the same
 ``Prediction``; ``timeline`` exposes the event list so that other
 analyses (the static memory plan of ``liveness_only``) read the very schedule the peak came from.
+
+NOTE [what a recomputation makes]
+Seed 004's canonical strategy recomputes a stage's discarded values all at once, when the first backward
+that needs one of them runs. By then the backwards of some of them may have run already (a stage's last
+layers read only kept values: a classifier reading the kept pooled features, a language model's head
+reading the last block's output): no later backward reads those values, and their layers'
+records are no longer wanted. The executor makes only what is wanted, the discarded values of the stage
+that a later backward (the loss's too) reads, or whose layer's backward is still to come and reads what it
+saved besides node values, and the discarded values of the stage those are made from
+(``Graph.with_inputs_within``); a layer not rerun drops the copy of the state its forward found. It is the
+same step, minus computations nothing reads: the same loss and gradients, less time and never more memory.
+Rerun, GPT-2's ``lm_head`` was 8% of ``chen_sqrt``'s step FLOPs (batch 2, sequence 256), U-Net's head and
+last upsampling 11 of ``chen_sqrt``'s 223 cost units recomputed, DenseNet-161's last layers 40 of
+``chen_greedy``'s 1951. The replay here, ``schedule.from_plan`` and the overhead in cost units count the
+same computations. A checkpointed stage is ``torch.utils.checkpoint``'s, which reruns the block to its last
+layer that saves a tensor (NOTE [a checkpointed stage]).
 
 NOTE [a layer's backward peak]
 The replay runs a layer's backward as one step: it makes the layer's gradients while it still holds
@@ -124,7 +141,9 @@ stage replay's peak to the byte (tests/test_accounting.py); Checkmate's own coun
 +75% on the zoo. A layer no gradient reaches runs no backward; what it saved stays to the loss's forward
 where its record is its first computation, and its extras come and go with any other (NOTE [what no
 gradient reaches] in ``harness/trace.py``). A schedule cannot tell a value a stage plan discards but never
-recomputes from a kept one, and holds what such a layer saved of it: above the stage replay, never below.
+recomputes (its stage is not recomputed, or what is is made without it: NOTE [what a recomputation makes])
+from a kept one, and holds what such a layer saved of it: above the stage replay, never below, unless it is
+told which values the plan discards (``discarded``).
 """
 
 from __future__ import annotations
@@ -154,6 +173,7 @@ class Step:
     phase: str  # "forward", "recompute", "swap_in" or "backward"
     allocs: tuple[tuple[tuple, int], ...]  # ((kind, node, ...), bytes); kind: value/grad/shared/sum/extra/...
     frees: tuple[tuple, ...]
+    call: bool = True  # the step runs the node's layer (its forward, or its whole backward): its FLOPs
 
 
 def simulate(graph: Graph, plan: Plan, liveness: bool = True) -> Prediction:
@@ -164,26 +184,30 @@ def simulate(graph: Graph, plan: Plan, liveness: bool = True) -> Prediction:
         peak = (peak_of(schedule_timeline(graph, computed, held)) if liveness
                 else schedule.peak(training, computed, held) + sum(graph.param_bytes))
         return Prediction(peak_bytes=peak, overhead_cost=schedule.cost(training, computed), liveness=liveness)
-    overhead = graph.time(plan.recomputed)  # Eq. (1): everything not kept is computed twice
-    if liveness:
-        peak = peak_of(timeline(graph, plan))
+    if liveness:  # what the executor recomputes (NOTE [what a recomputation makes])
+        steps = timeline(graph, plan)
+        peak = peak_of(steps)
+        overhead = sum(graph.cost[s.node] for s in steps if s.phase == "recompute" and s.call and s.node >= 0)
     else:
         peak = equation_2_peak(dp_view(graph, "paper"), plan) + sum(graph.param_bytes)
+        overhead = graph.time(plan.recomputed)  # Eq. (1): everything not kept is computed twice
     return Prediction(peak_bytes=peak, overhead_cost=overhead, liveness=liveness,
                       host_bytes=graph.mem(plan.swapped))
 
 
-def step_seconds(graph: Graph, phase: str, v: int, flops_per_s: float) -> float:
-    """A step's compute time by the roofline of FLOPs alone: a backward costs twice its forward."""
-    if v < 0 or phase == "swap_in":
+def step_seconds(graph: Graph, step: Step, flops_per_s: float) -> float:
+    """A step's compute time by the roofline of FLOPs alone: a backward costs twice its forward. A layer's
+    call may take several steps (what its in-place members do first, what it holds while it unpacks, its
+    extras after its reads); one of them carries its FLOPs (``Step.call``)."""
+    if step.node < 0 or step.phase == "swap_in" or not step.call:
         return 0.0
-    return graph.flops[v] / flops_per_s * (2.0 if phase == "backward" else 1.0)
+    return graph.flops[step.node] / flops_per_s * (2.0 if step.phase == "backward" else 1.0)
 
 
 def step_flops(graph: Graph, plan: Plan) -> float:
     """The FLOPs of one training step under ``plan``: the forward, every recomputation, and the backward at
     twice its forward (the cost model behind predicted step times)."""
-    return sum(step_seconds(graph, s.phase, s.node, 1.0) for s in timeline(graph, plan))
+    return sum(step_seconds(graph, s, 1.0) for s in timeline(graph, plan))
 
 
 def swap_step_time(graph: Graph, plan: Plan, bandwidth_bytes_per_s: float, flops_per_s: float) -> dict[str, float]:
@@ -280,8 +304,10 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
     for u in members(plan.swapped):
         assert not recompute_stages[u], f"simulator: swapped node {u} is read by a recomputation; it must stay"
     # A recomputed layer that may write state keeps a copy of the state as its forward found it, to its
-    # recomputation or, where its stage is not recomputed, to the end of the forward pass.
-    found = {v for v in members(discarded & ~in_checkpoint) if graph.recompute_state_bytes[v]}
+    # recomputation or, where its stage is not recomputed, to the end of the forward pass; none where no
+    # recomputation will make it.
+    remade = discarded & ~in_checkpoint & ~graph.never_recomputed()
+    found = {v for v in members(remade) if graph.recompute_state_bytes[v]}
     # The executor holds the kept values an output's stage starts from to the end of the forward pass: only
     # the loss's saves tell whether its backward reads an output (a step may run another loss than the trace).
     ends = {stage_of[v] for v in graph.outputs} - needed
@@ -420,13 +446,24 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
 
     fetched = fetch(-1)
     recomputed = set()
+    backward_done = set()
+    never = graph.never_recomputed()
     extras_present = [bool(graph.saves_more(v) and (plan.kept & ~in_checkpoint) >> v & 1 and graph.reached[v])
                       for v in range(n)]
 
     def recompute(stages):
         for s in sorted(stages - recomputed):
             recomputed.add(s)
-            nodes = members(plan.stages[s] & discarded) + [u + n for u in members(plan.stages[s] & rebuilt)]
+            made = plan.stages[s] & discarded
+            if not plan.checkpointed >> s & 1:  # NOTE [what a recomputation makes]
+                wanted = bits(u for u in members(made) if readers_left[u]
+                              or graph.reached[u] and graph.saves_more(u) and u not in backward_done)
+                made = graph.with_inputs_within(wanted, made)
+                unmade = [u for u in members(plan.stages[s] & discarded & ~made & ~never)
+                          if graph.recompute_state_bytes[u]]
+                if unmade:  # the state their forward calls found goes
+                    steps.append(Step(-1, "recompute", (), tuple(("state", u) for u in unmade)))
+            nodes = members(made) + [u + n for u in members(plan.stages[s] & rebuilt)]
             if plan.checkpointed >> s & 1:  # early stop: nothing after the last layer that saves
                 last = _last_saving(graph, plan.stages[s])
                 nodes = [w for w in nodes if w % n <= last]
@@ -482,7 +519,7 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
             made, early, held = gradients.in_place_members(v, work)
             readers_left[own] -= 1
             release_if_done(own, early)
-            steps.append(Step(v, "backward", tuple(made), tuple(early)))
+            steps.append(Step(v, "backward", tuple(made), tuple(early), call=False))
         missing = {stage_of[u % n] for u in reads if not present[u]}
         assert all(present[u] for u in reads if plan.swapped >> u & 1), \
             f"simulator: the backward of node {v} reads a swapped value before its prefetch"
@@ -495,10 +532,10 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
         unpacking = _held_at_unpack(graph, v, lambda u: own_missing or extras_missing if u == v
                                     else not present[copy(u, v)]) - held if missing else 0
         if unpacking > 0:
-            steps.append(Step(v, "backward", ((("unpacking", v), unpacking),), ()))
+            steps.append(Step(v, "backward", ((("unpacking", v), unpacking),), (), call=False))
         recompute(missing)
         if unpacking > 0:
-            steps.append(Step(v, "backward", (), (("unpacking", v),)))
+            steps.append(Step(v, "backward", (), (("unpacking", v),), call=False))
         allocs, frees = gradients.backward(v, _after_members(graph, v) if in_place_first else None)
         allocs += gradients.params(v)
         if work and not in_place_first:
@@ -514,6 +551,7 @@ def _backward(graph, plan, order, discarded, stage_of, readers, recompute_stages
             frees += [("extra", v)] if graph.saved_extra_bytes[v] else []
             extras_present[v] = False
         steps.append(Step(v, "backward", tuple(allocs), tuple(frees)))
+        backward_done.add(v)
     steps.append(_end(graph, gradients))
     return steps
 
@@ -624,14 +662,18 @@ def forward_order(graph: Graph, stage_of: list[int]) -> list[int]:
     return sorted(range(len(graph)), key=lambda v: (key[v], v))
 
 
-def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, ...]) -> list[Step]:
+def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, ...],
+                      discarded: int | None = None) -> list[Step]:
     """The training step a general schedule (R, S; ``strategies/schedule.py``) describes, counted as
-    ``timeline`` counts a stage plan's (NOTE [a schedule's replay])."""
+    ``timeline`` counts a stage plan's (NOTE [a schedule's replay]). ``discarded``: for a stage plan written
+    as a schedule, the values it discards (by default, those the schedule computes again)."""
     n = len(graph)
     tg = schedule.training_graph(graph, loss_reads_outputs=False)
     size = 2 * n
     # The computation of each value whose autograd record its backward uses: the last one before it.
     recorded = [max(t for t in range(schedule.backward_node(n, v) + 1) if computed[t] >> v & 1) for v in range(n)]
+    if discarded is None:
+        discarded = sum(1 << v for v in range(n) if recorded[v] != v)
     last = [max(t for t in range(size) if computed[t] >> v & 1) for v in range(n)]  # its last computation
     gradients = _Gradients(graph)
     present = 0  # the forward values on the device
@@ -642,7 +684,7 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
 
     outputs = sum(1 << v for v in graph.outputs)  # here until the loss's forward: the model returns them
     # as is what the layers no gradient reaches saved (NOTE [what no gradient reaches] in harness/trace.py)
-    unreached_reads = sum(1 << u for w in graph.unreached for u in graph.backward_reads[w] if recorded[u] == u)
+    unreached_reads = sum(1 << u for w in graph.unreached for u in graph.backward_reads[w] if not discarded >> u & 1)
     outputs |= unreached_reads
     for t in range(size):
         held_next = held[t + 1] if t + 1 < size else 0
@@ -651,7 +693,7 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
             reads = bits(graph.loss_reads)
             loss = [(("loss_forward", -1), graph.loss_forward_bytes)] if graph.loss_forward_bytes else []
             gone = present & ~held[n] & ~reads
-            unreached = [("extra", w) for w in graph.unreached if graph.saved_extra_bytes[w] and recorded[w] == w]
+            unreached = [("extra", w) for w in graph.unreached if graph.saved_extra_bytes[w] and not discarded >> w & 1]
             steps.append(Step(-1, "forward", tuple(loss), (*[("value", u) for u in members(gone)],
                                                             *[key for key, _ in loss], *unreached)))
             present &= ~gone
@@ -678,7 +720,7 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
             made, early, held_by_members = gradients.in_place_members(v, work)
             if present >> v & 1 and not held_next >> v & 1 and not read_later(row, v, after, but=t):
                 early.append(("value", v))
-            steps.append(Step(v, "backward", tuple(made), tuple(early)))
+            steps.append(Step(v, "backward", tuple(made), tuple(early), call=False))
             return sum(1 << key[1] for key in early if key[0] == "value")
 
         if not in_place_done and present >> v & 1:
@@ -689,7 +731,7 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
                     and not (t < n and unreached_reads >> i & 1)]
             if k >= n and not graph.reached[v]:  # a backward that never runs
                 present &= ~sum(1 << i for i in gone)
-                steps.append(Step(v, "backward", (), tuple(("value", i) for i in gone)))
+                steps.append(Step(v, "backward", (), tuple(("value", i) for i in gone), call=False))
                 continue
             if k >= n:  # the backward of v
                 if k != t:
@@ -713,7 +755,7 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
             frees = [("value", i) for i in gone]
             if graph.saved_extra_bytes[k] and (recorded[k] == t or not graph.reached[k]):
                 allocs.append((("extra", k), graph.saved_extra_bytes[k]))
-                if not graph.reached[k] and not t == k == recorded[k]:  # no backward reads it: it goes at once
+                if not graph.reached[k] and not (t == k and not discarded >> k & 1):  # nothing reads it: it goes now
                     frees.append(("extra", k))
             if graph.recompute_state_bytes[k]:  # the state as the first call found it, to the last one
                 if t == k and last[k] != k:
@@ -798,7 +840,7 @@ def _call(graph: Graph, v: int, phase: str, allocs: list, frees: list) -> list[S
     extra = [alloc for alloc in allocs if alloc[0] == ("extra", v)]
     inputs_gone = [key for key in frees if key[0] in ("value", "copy") and key[1] != v]
     return [Step(v, phase, tuple(alloc for alloc in allocs if alloc not in extra), tuple(inputs_gone)),
-            Step(v, phase, tuple(extra), tuple(key for key in frees if key not in inputs_gone))]
+            Step(v, phase, tuple(extra), tuple(key for key in frees if key not in inputs_gone), call=False)]
 
 
 def _transient(graph: Graph, v: int, allocs: list, frees: list, first: bool):
@@ -819,7 +861,7 @@ def _attribute_again(graph: Graph, v: int) -> list[Step]:
     if not graph.attribute_bytes[v]:
         return []
     key = ("attribute_again", v)
-    return [Step(v, "recompute", ((key, graph.attribute_bytes[v]),), (key,))]
+    return [Step(v, "recompute", ((key, graph.attribute_bytes[v]),), (key,), call=False)]
 
 
 def _turn(graph: Graph, gradients: "_Gradients", fetched=(), loss_held: bool = True) -> Step:
@@ -883,5 +925,5 @@ def _recompute_stage(graph, nodes, copy, s, present, readers_left, stages_left, 
             frees = []
             release_if_done(u, frees)
             if frees:
-                steps.append(Step(u, "recompute", (), tuple(frees)))
+                steps.append(Step(u, "recompute", (), tuple(frees), call=False))
     return steps

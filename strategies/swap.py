@@ -143,7 +143,7 @@ def _hidden_triggers(graph: Graph, steps: list, need: dict[int, int], swapped: l
     starts, now = [], 0.0
     for step in steps:
         starts.append(now)
-        now += step_seconds(graph, step.phase, step.node, flops_per_s)
+        now += step_seconds(graph, step, flops_per_s)
     triggers, link_free_from = {}, float("inf")
     for u in sorted(swapped, key=lambda u: need[u], reverse=True):
         end = min(starts[need[u]], link_free_from)

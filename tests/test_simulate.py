@@ -35,7 +35,8 @@ def test_equation_2_on_a_diamond():
     plan = Plan.from_stages(g, [[0], [1, 2], [3]])
     # M_1 = 0 + 2*1 + m(b,c) + 0 = 7; M_2 = m(a) + 2*(2+3) + m(d) + 0 = 15; M_3 = m(a,b,c) + 2*4 = 14.
     assert simulate(g, plan, liveness=False).peak_bytes == 15
-    assert simulate(g, plan).overhead_cost == 1.0  # only d is recomputed
+    assert simulate(g, plan, liveness=False).overhead_cost == 1.0  # equation (1): only d is discarded
+    assert simulate(g, plan).overhead_cost == 0  # and no backward reads it: nothing is recomputed
 
 
 def test_liveness_replays_the_step():
@@ -51,11 +52,13 @@ def test_liveness_replays_the_step():
 
 def test_recomputation_in_the_timeline():
     g = chain(4)
-    plan = Plan.from_stages(g, [[0, 1], [2, 3]])  # keeps b, recomputes a (stage 1) and c, d (stage 2)
+    plan = Plan.from_stages(g, [[0, 1], [2, 3]])  # keeps b, discards a (stage 1) and c, d (stage 2)
     steps = timeline(g, plan)
     recomputed = [s.node for s in steps if s.phase == "recompute" and s.allocs]
-    assert recomputed == [2, 3, 0]  # stage 2 first (the backward runs backwards), then stage 1
-    assert simulate(g, plan).overhead_cost == 3.0
+    # stage 2 first (the backward runs backwards), then stage 1; no backward reads d, which is not made again
+    assert recomputed == [2, 0]
+    assert simulate(g, plan).overhead_cost == 2.0
+    assert simulate(g, plan, liveness=False).overhead_cost == 3.0  # equation (1) charges every discarded value
 
 
 def test_a_shared_parameters_gradient_is_made_once_by_the_first_backward_that_reaches_it():
