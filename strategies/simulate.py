@@ -81,8 +81,8 @@ same step, minus computations nothing reads: the same loss and gradients, less t
 Rerun, GPT-2's ``lm_head`` was 8% of ``chen_sqrt``'s step FLOPs (batch 2, sequence 256), U-Net's head and
 last upsampling 11 of ``chen_sqrt``'s 223 cost units recomputed, DenseNet-161's last layers 40 of
 ``chen_greedy``'s 1951. The replay here, ``schedule.from_plan`` and the overhead in cost units count the
-same computations. A checkpointed stage is ``torch.utils.checkpoint``'s, which reruns the block to its last
-layer that saves a tensor (NOTE [a checkpointed stage]).
+same computations. A checkpointed stage is ``torch.utils.checkpoint``'s, which reruns the block up to where
+its early stop stops it (NOTE [a checkpointed stage]).
 
 NOTE [a layer's backward peak]
 The replay runs a layer's backward as one step: it makes the layer's gradients while it still holds
