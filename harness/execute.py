@@ -423,12 +423,13 @@ class _Step:
     def _recompute_stage(self, stage: int):
         # Only what a token will read, and what that is made from (NOTE [what a recomputation makes] in
         # strategies/simulate.py); a layer not rerun lets go of the state its forward call found.
-        discarded = bits(g for g in members(self.plan.stages[stage]) if g in self.discarded)
-        wanted = bits(g for g in members(discarded) if self.tokens_left.get(g))
-        groups = members(self.traced.graph.with_inputs_within(wanted, discarded))
-        for g in members(discarded & ~bits(groups)):
+        discarded = self.plan.stages[stage] & ~self.plan.kept
+        made = self.traced.graph.with_inputs_within(bits(g for g in members(discarded) if self.tokens_left.get(g)),
+                                                    discarded)
+        for g in members(discarded & ~made):
             for name in self.traced.members[g]:
                 self.state_before.pop(name, None)
+        groups = members(made)
         names = {name for g in groups for name in self.traced.members[g]}
         order = [n for n in self.order if n.name in names]
         uses = _last_uses(self.traced.module.graph, within=names)
