@@ -124,6 +124,9 @@ def _measure_cell(row: dict) -> dict:
         measured = _measured(measure(step, model, (example_input,), row["device"], row["warmup_steps"],
                                      row["timed_steps"], compiled=compiled))
         measured["compile_time_s"] = getattr(step, "compile_time_s", None)
+        if row["device"] == "cuda" and measured["tracker_peak_bytes"] is not None:
+            # What the device adds beyond the one accounting: cuDNN's and cuBLAS's workspaces, allocator rounding.
+            measured["device_reserve_bytes"] = measured["measured_peak_bytes"] - measured["tracker_peak_bytes"]
     predicts = plan.info.get("prediction") != "none"  # torch.compile decides out of the IR's sight
     return {
         **measured,

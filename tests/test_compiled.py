@@ -4,6 +4,7 @@ holding what the plan keeps."""
 import copy
 from functools import cache, partial
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -370,3 +371,29 @@ def test_a_compiled_step_on_meta_holds_the_output_and_its_gradient_as_long_as_th
     output_bytes = 256 * 8192 * 4
     assert eager.peak_bytes > 3 * output_bytes  # the output, its log-softmax and their gradients, at least
     assert abs(compiled.peak_bytes - eager.peak_bytes) < output_bytes // 8, (compiled.peak_bytes, eager.peak_bytes)
+
+
+def test_the_frontier_runs_the_points_asked_for_and_reads_them_back(tmp_path):
+    """``--strategies``, ``--ratios`` and ``--dp-budgets`` pick the points (what a short GPU lease runs);
+    each peer point gets a dominance line, and the table drawn again from the rows alone is the same."""
+    from harness.bench import frontier
+
+    vanilla = run_cell("vgg19", "vanilla", batch_size=2, image_size=32)
+    least = run_cell("vgg19", "approx_dp", batch_size=2, image_size=32, budget=1)
+    assert least["status"] == "infeasible"
+    budgets = [least["min_feasible_bytes"], vanilla["measured_peak_bytes"]]
+    args = [str(tmp_path / "f"), "--nets", "vgg19", "--batch", "2", "--side", "32",
+            "--strategies", "approx_dp,torch_compile_budget", "--ratios", "0.5",
+            "--dp-budgets", ",".join(map(str, budgets)), "--rows", str(tmp_path / "rows")]
+    frontier.main(args)
+    table = pd.read_csv(tmp_path / "f.csv")
+    assert sorted(table.point) == sorted(["vanilla", "vanilla", "torch_compile_budget 0.5"]
+                                         + [f"approx_dp @ {b / 1e9:.2f} GB" for b in budgets for _ in (0, 1)])
+    assert (table.status == "ok").all() and table.compiled.sum() == 4
+    ours = table[table.strategy == "approx_dp"]
+    assert (ours["peak GB"] <= ours["budget GB"] * 1.001).all()  # each within its budget (the tracker's figure)
+    text = (tmp_path / "f.md").read_text()
+    assert "torch_compile_budget 0.5 (" in text and text.count("- vgg19, vanilla") == 2
+    assert (tmp_path / "f_vgg19.png").stat().st_size > 10_000
+    frontier.main([str(tmp_path / "again"), *args[1:], "--from-rows"])
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "again.csv"), table)

@@ -76,6 +76,16 @@ def test_figure3_on_meta(tmp_path):
                   "--rows", str(tmp_path / "rows"), "--from-rows"])
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "again.csv"), table)
     assert len(load_results(tmp_path / "rows")) == len(rows)
+    # From rows, a point never run (batch 32 here) is left out; --curves draws only the curves named.
+    figure3.main([str(tmp_path / "more"), "--nets", "resnet50", "--batches", "2,4,8,16,32", "--memory", "1GB",
+                  "--rows", str(tmp_path / "rows"), "--from-rows"])
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "more.csv"), table)
+    figure3.main([str(tmp_path / "two"), "--nets", "resnet50", "--batches", "4", "--memory", "1GB",
+                  "--curves", "approx_dp (tc),chen_sqrt", "--rows", str(tmp_path / "rows"), "--from-rows"])
+    two = pd.read_csv(tmp_path / "two.csv")
+    assert sorted(two.curve) == ["approx_dp (tc)", "chen_sqrt"] and set(two.batch) == {4}
+    with pytest.raises(SystemExit, match=r"unknown curves tc; valid: vanilla, approx_dp \(tc\)"):
+        figure3.main([str(tmp_path / "bad"), "--nets", "resnet50", "--batches", "4", "--curves", "tc"])
     tc = drawn[drawn.curve == "approx_dp (tc)"].set_index("batch").time
     mc = drawn[drawn.curve == "approx_dp (mc)"].set_index("batch").time
     both = tc.index.intersection(mc.index)
@@ -184,6 +194,14 @@ def test_a_plan_that_overshoots_its_budget_runs_again_within_it(monkeypatch, tmp
     monkeypatch.setattr(max_batch, "run_cell", run_cell)
     row = max_batch.run_within("resnet50", "approx_dp", {"mode": "tc"}, 128, 10**10, "meta", tmp_path)
     assert asked == [10**10, 10**10 - 300_000_000] and max_batch.fits(row, 10**10)
+    # A cuda row says what the device added beyond the accounting (its reserve): that comes off the budget.
+    asked.clear()
+    monkeypatch.setattr(max_batch, "run_cell", lambda net, strategy, *, budget, **kwargs: asked.append(budget) or {
+        "status": "ok", "measured_peak_bytes": budget + 300_000_000 if len(asked) == 1 else budget - 200_000_000,
+        "device_reserve_bytes": 500_000_000})
+    row = max_batch.run_within("resnet50", "approx_dp", {"mode": "tc"}, 128, 10**10, "cuda", tmp_path / "reserve")
+    assert asked == [10**10, 10**10 - 500_000_000] and max_batch.fits(row, 10**10)
+    monkeypatch.setattr(max_batch, "run_cell", run_cell)
     asked.clear()
     max_batch.run_within("resnet50", "approx_dp", {"mode": "mc"}, 128, 10**10, "meta", tmp_path)
     assert asked == [None]  # the memory-centric DP runs at its minimal budget, once

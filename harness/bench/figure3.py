@@ -3,7 +3,7 @@
 Per net (ResNet-152 and PSPNet by default), over batch sizes beyond vanilla's largest, on a device of
 ``--memory`` (11.4 GB, the paper's K40c): ``vanilla`` where it fits, with its straight-line fit extended
 over every batch (the paper's extrapolation), ``approx_dp`` time-centric with the memory as its budget
-(less any overshoot a first run measured: ``harness.bench.max_batch.run_within``), ``approx_dp`` memory-centric at
+(less the device reserve a first run measured: ``harness.bench.max_batch.run_within``), ``approx_dp`` memory-centric at
 its minimal budget, and Chen's sqrt(n) (``chen_sqrt``, the paper's "Chen's").
 A point is drawn where its run is ``ok`` and its measured peak is within the memory; a curve stops at its
 first batch that does not fit (larger ones are not run).
@@ -133,9 +133,12 @@ def main(argv=None) -> None:
     parser.add_argument("--memory", default="11.4GB", help="the device memory every point must fit")
     parser.add_argument("--timed-steps", type=int, default=5, help="cuda: steps timed per point, after 2 warm-ups")
     parser.add_argument("--batches", help="comma-separated batch sizes for every net (default: BATCHES)")
+    parser.add_argument("--curves", help="comma-separated labels, of " + ", ".join(label(s, o) for s, o in CURVES)
+                        + " (default: all)")
     parser.add_argument("--rows", type=Path, default=Path("results/runs"), help="where every run's row goes")
     parser.add_argument("--from-rows", action="store_true",
-                        help="run nothing: draw from the rows in --rows (made where --device was)")
+                        help="run nothing: draw from the rows in --rows (made where --device was); a point with "
+                             "no row is left out")
     args = parser.parse_args(argv)
     memory = parse_budget(args.memory)
     names = args.nets.split(",")
@@ -144,7 +147,14 @@ def main(argv=None) -> None:
         raise SystemExit(f"no batch sizes for {', '.join(unknown)} (give --batches); nets with them: "
                          f"{', '.join(BATCHES)}")
     batches = {net: [int(b) for b in args.batches.split(",")] if args.batches else BATCHES[net] for net in names}
-    cells = [(net, batch, strategy, options) for net in names for strategy, options in CURVES
+    curves = CURVES
+    if args.curves is not None:
+        curves = [(strategy, options) for strategy, options in CURVES if label(strategy, options) in
+                  args.curves.split(",")]
+        unknown = sorted(set(args.curves.split(",")) - {label(s, o) for s, o in curves})
+        if unknown:
+            raise SystemExit(f"unknown curves {', '.join(unknown)}; valid: {', '.join(label(s, o) for s, o in CURVES)}")
+    cells = [(net, batch, strategy, options) for net in names for strategy, options in curves
              for batch in batches[net]]
     rows, past_the_end = [], set()
     progress = tqdm(cells, desc="figure 3")
@@ -154,7 +164,9 @@ def main(argv=None) -> None:
             continue
         progress.set_postfix_str(f"{net} {curve[1]} batch {batch}")
         row = run_within(net, strategy, options, batch, memory, args.device, args.rows, args.from_rows,
-                         warmup_steps=2, timed_steps=args.timed_steps)
+                         warmup_steps=2, timed_steps=args.timed_steps, missing_ok=args.from_rows)
+        if row is None:  # --from-rows: this point was not run
+            continue
         rows.append(row)
         if not fits(row, memory):
             past_the_end.add(curve)

@@ -33,6 +33,7 @@ import pandas as pd  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from harness.bench.figure3 import save_figure  # noqa: E402
+from harness.budget import parse_budget  # noqa: E402
 from harness.results import read_row, stored_path  # noqa: E402
 from harness.run import run_cell  # noqa: E402
 
@@ -73,27 +74,42 @@ class Cells:
         return row
 
 
-def net_points(cells: Cells, dp_points: int, swap_points: int) -> None:
+def net_points(cells: Cells, dp_points: int, swap_points: int, strategies=None, ratios=RATIOS,
+               dp_budgets=None) -> None:
+    """Every point of one net, this project's own first (so that a short GPU lease measures those before
+    the peers); ``strategies`` (default: all) picks which run, ``dp_budgets`` (bytes) replaces approx_dp's
+    ``dp_points`` spread from its minimum to vanilla's peak."""
+    def wanted(strategy):
+        return strategies is None or strategy in strategies
+
     vanilla = cells.run("vanilla")
+    if vanilla.get("status") == "ok":
+        top = vanilla["measured_peak_bytes"]
+        for strategy, count, compiles in (("approx_dp", dp_points, (False, True)), ("swap", swap_points, (False,))):
+            if not wanted(strategy):
+                continue
+            if strategy == "approx_dp" and dp_budgets:
+                budgets = list(dp_budgets)
+            else:
+                least = cells.run(strategy, budget=1, point=f"{strategy} (its minimum)").get("min_feasible_bytes")
+                cells.rows.pop()  # the probe for the minimum is not a point
+                if least is None:
+                    continue
+                top = max(top, least)
+                stop = top if strategy == "approx_dp" else least + (top - least) * (count - 1) / count
+                budgets = np.linspace(least, stop, count).astype(int)
+            for budget in budgets:
+                for compile in compiles:
+                    cells.run(strategy, budget=int(budget), compile=compile,
+                              point=f"{strategy} @ {budget / 1e9:.2f} GB")
     cells.run("vanilla", compile=True, point="vanilla")
-    for ratio in RATIOS:
-        cells.run("torch_compile_budget", options={"budget_ratio": ratio}, point=f"torch_compile_budget {ratio:g}")
+    if wanted("torch_compile_budget"):
+        for ratio in ratios:
+            cells.run("torch_compile_budget", options={"budget_ratio": ratio},
+                      point=f"torch_compile_budget {ratio:g}")
     for strategy in ("torch_checkpoint_blocks", "torch_checkpoint_sequential", "chen_sqrt"):
-        for compile in (False, True):
+        for compile in (False, True) if wanted(strategy) else ():
             cells.run(strategy, compile=compile)
-    if vanilla.get("status") != "ok":
-        return
-    top = vanilla["measured_peak_bytes"]
-    for strategy, count, compiles in (("approx_dp", dp_points, (False, True)), ("swap", swap_points, (False,))):
-        least = cells.run(strategy, budget=1, point=f"{strategy} (its minimum)").get("min_feasible_bytes")
-        cells.rows.pop()  # the probe for the minimum is not a point
-        if least is None:
-            continue
-        top = max(top, least)
-        stop = top if strategy == "approx_dp" else least + (top - least) * (count - 1) / count
-        for budget in np.linspace(least, stop, count).astype(int):
-            for compile in compiles:
-                cells.run(strategy, budget=int(budget), compile=compile, point=f"{strategy} @ {budget / 1e9:.2f} GB")
 
 
 def points(rows: list[dict], device: str) -> pd.DataFrame:
@@ -169,7 +185,11 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, help="one batch size for every net (default: NETS)")
     parser.add_argument("--side", type=int, help="one input side (sequence length) for every net")
     parser.add_argument("--dp-points", type=int, default=6, help="approx_dp budgets, its minimum to vanilla's peak")
+    parser.add_argument("--dp-budgets", help="comma-separated approx_dp budgets (10GB, ...) instead of --dp-points")
     parser.add_argument("--swap-points", type=int, default=3)
+    parser.add_argument("--strategies", help="comma-separated: run only these (vanilla always runs; default: all)")
+    parser.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS),
+                        help="torch_compile_budget's activation_memory_budget values")
     parser.add_argument("--timed-steps", type=int, default=10, help="cuda: steps timed per point, after 2 warm-ups")
     parser.add_argument("--rows", type=Path, default=Path("results/runs"), help="where every run's row goes")
     parser.add_argument("--from-rows", action="store_true", help="run nothing: read the rows in --rows")
@@ -179,14 +199,17 @@ def main(argv=None) -> None:
     if unknown:
         raise SystemExit(f"no sizes for {', '.join(unknown)} (give --batch and --side); nets with them: "
                          f"{', '.join(NETS)}")
-    cells_per_net = 2 + len(RATIOS) + 6 + 2 * args.dp_points + args.swap_points + 2
+    chosen = None if args.strategies is None else set(args.strategies.split(","))
+    ratios = [float(r) for r in args.ratios.split(",")]
+    dp_budgets = None if args.dp_budgets is None else [parse_budget(b) for b in args.dp_budgets.split(",")]
+    cells_per_net = 2 + len(ratios) + 6 + 2 * len(dp_budgets or range(args.dp_points)) + args.swap_points + 2
     progress = tqdm(total=cells_per_net * len(names), desc="frontier")
     rows = []
     for net in names:
         batch, side = NETS.get(net, (None, None))
         cells = Cells(net, args.batch or batch, args.side or side, args.device, args.rows, args.from_rows,
                       args.timed_steps, progress)
-        net_points(cells, args.dp_points, args.swap_points)
+        net_points(cells, args.dp_points, args.swap_points, chosen, ratios, dp_budgets)
         rows += cells.rows
     progress.close()
     table = points(rows, args.device)

@@ -3,7 +3,7 @@
 For every net and strategy, and each memory (``--memory 11.4GB,80GB``: seed 004's K40c and an H100), the
 largest batch whose run fits: status ``ok`` and a measured peak within the memory. A strategy that can
 trade time for memory gets the memory as its budget (the time-centric DPs, the budget greedy, swap), less
-any overshoot a first run measured (``run_within``); the memory-centric DPs run at their minimal budget
+the device reserve a first run measured (``run_within``); the memory-centric DPs run at their minimal budget
 (seed 004, section 5.1), and the others as they are. The
 search starts from a guess (the paper's batch scaled by the memory left over, from a measured first run),
 gallops to a bracket and bisects; every probe is a real run whose row lands in ``--rows``, so a killed
@@ -83,12 +83,15 @@ def stored_row(net: str, strategy: str, batch: int, device: str, budget: int | N
 
 
 def run_within(net: str, strategy: str, options: dict, batch: int, memory: int, device: str, rows_dir: Path,
-               from_rows: bool = False, warmup_steps: int = 1, timed_steps: int = 3) -> dict:
+               from_rows: bool = False, warmup_steps: int = 1, timed_steps: int = 3,
+               missing_ok: bool = False) -> dict | None:
     """The row of ``strategy`` at ``batch`` on a device of ``memory`` bytes (``cell_budget``). A plan given
-    the memory as its budget fills it by the replay, which leaves out what the device adds (allocator
-    rounding, cuDNN's and cuBLAS's workspaces); where the run measures more than the memory, it runs once
-    more with the overshoot taken off the budget, as a user would. Rows stored before that retry existed
-    (the H100's Figure 3) have none: the first run's row stands."""
+    the memory as its budget fills it by the one accounting, which leaves out what the device adds
+    (allocator rounding, cuDNN's and cuBLAS's workspaces: the row's ``device_reserve_bytes``, measured on
+    cuda as the allocator's peak less the tracker's); where the run measures more than the memory, it runs
+    once more with that reserve taken off the budget, as a user would. Rows stored before rows carried the
+    reserve take the overshoot off instead, and rows stored before that retry existed (the H100's Figure 3)
+    have none: the first run's row stands. ``missing_ok`` (``from_rows``): None where no row was stored."""
     def probe(budget, required=True):
         if from_rows:
             return stored_row(net, strategy, batch, device, budget, options, rows_dir, required)
@@ -96,9 +99,12 @@ def run_within(net: str, strategy: str, options: dict, batch: int, memory: int, 
                         warmup_steps=warmup_steps, timed_steps=timed_steps, results_dir=rows_dir, resume=True)
 
     budget = cell_budget(strategy, options, memory)
-    row = probe(budget)
+    row = probe(budget, required=not missing_ok)
+    if row is None:
+        return None
     if budget is not None and row["status"] == "ok" and memory < row["measured_peak_bytes"] < 2 * memory:
-        row = probe(budget - (row["measured_peak_bytes"] - memory), required=False) or row
+        reserve = row.get("device_reserve_bytes") or row["measured_peak_bytes"] - memory
+        row = probe(budget - reserve, required=False) or row
     return row
 
 
