@@ -66,7 +66,8 @@ class Cells:
             path = stored_path(self.rows_dir, self.net, strategy, batch_size=self.batch, image_size=self.side,
                                device=self.device, budget_bytes=budget, options=options, compiled=compile)
             row = read_row(path) if path.exists() else {"status": "missing", "net": self.net,
-                                                         "strategy": strategy, "compiled": compile}
+                                                         "strategy": strategy, "compiled": compile,
+                                                         "error": "no row in --rows: not run"}
         else:
             row = run_cell(self.net, strategy, results_dir=self.rows_dir, resume=True, **kwargs)
         self.progress.update()
