@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks of issues 15 and 16 that fit one short lease of the device machine (15 minutes of device
 # time, start included): run from the repository root there, `bash results/gpu_lease.sh`, with the wheels
-# of hydra-core, omegaconf, antlr4-python3-runtime and segmentation-models-pytorch in .whl/ (README, "On a
-# GPU"). Each stage has a deadline; every cell writes its row as it ends and a later run resumes from the
-# rows there, so a stage cut short keeps what it measured. Everything lands in $OUT/lease.tgz (rows and
-# tables) and $OUT/lease.log; the tables are drawn again here from the rows (`--from-rows`).
+# of hydra-core, omegaconf, antlr4-python3-runtime and segmentation-models-pytorch in .whl/ (README, "A GPU
+# node that reaches no package registry"). Each stage has a deadline; every cell writes its row as it ends
+# and a later run resumes from the rows there, so a stage cut short keeps what it measured. Everything lands
+# in $OUT/lease.tgz (rows and tables) and $OUT/lease.log; the tables are drawn again here from the rows
+# (`--from-rows`).
 #   1. Figure 3's claim: vanilla up to the first batch that does not fit 11.4 GB, then approx_dp (tc) and
 #      chen_sqrt at twice vanilla's largest batch (ResNet-152, PSPNet).
 #   2. The frontier on ResNet-152 at batch 128: vanilla eager and compiled, approx_dp (tc) eager and compiled
