@@ -15,6 +15,7 @@ import subprocess
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -43,23 +44,9 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
     ``isolate`` (default: on ``cuda``) measures in a fresh process: PyTorch does not free what a backward
     that ran out of CUDA memory held (pytorch/pytorch#82218), so one ``oom`` cell would leave every later
     cell of a sweep on a nearly full device."""
-    net_options = dict(net_options or {})
-    spec = nets.spec(net, **net_options)  # bad input fails here, before anything is built
-    strategies.module(strategy)
-    check_device(device)
-    nets.check_dtype(dtype)
-    if cost_model not in COST_MODELS:
-        raise ValueError(f"unknown cost_model {cost_model!r}; valid: {', '.join(COST_MODELS)}")
-    row = {
-        "schema_version": SCHEMA_VERSION, "net": net, "strategy": strategy,
-        "batch_size": spec.batch_size if batch_size is None else batch_size,
-        "image_size": spec.image_size if image_size is None else image_size,
-        "device": device, "cost_model": cost_model, "budget_bytes": parse_budget(budget, device),
-        "options": dict(options or {}), "net_options": net_options, "warmup_steps": warmup_steps,
-        "timed_steps": timed_steps, "compiled": bool(compile), "dtype": dtype,
-        "paper_node_count": spec.paper_nodes, **_environment(),
-    }
-    nets.check_sizes(net, row["batch_size"], row["image_size"], **net_options)
+    row = cell_row(net, strategy, batch_size=batch_size, image_size=image_size, device=device, budget=budget,
+                   cost_model=cost_model, options=options, net_options=net_options, compile=compile, dtype=dtype,
+                   warmup_steps=warmup_steps, timed_steps=timed_steps)
     if resume and results_dir is not None and (Path(results_dir) / cell_name(row)).exists():
         done = read_row(Path(results_dir) / cell_name(row))
         final = done.get("status") in ("ok", "oom", "infeasible", "timeout")
@@ -91,20 +78,66 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
     row["wall_time_s"] = time.perf_counter() - start
     if results_dir is not None:
         row["row_path"] = str(write_row(row, results_dir))
-    log.info("%s", summary(row, tokens=spec.input == "tokens"))
+    log.info("%s", summary(row, tokens=nets.spec(net, **row["net_options"]).input == "tokens"))
     return row
 
 
-def _measure_cell(row: dict) -> dict:
+def cell_row(net: str, strategy: str, *, batch_size: int | None = None, image_size: int | None = None,
+             device: str = "meta", budget=None, cost_model: str = "paper", options: dict | None = None,
+             net_options: dict | None = None, compile: bool = False, dtype: str = "float32", warmup_steps: int = 2,
+             timed_steps: int = 5) -> dict:
+    """A cell's row before it is measured (``run_cell``'s arguments); bad input fails here, naming what is
+    valid, before anything is built."""
+    net_options = dict(net_options or {})
+    spec = nets.spec(net, **net_options)  # bad input fails here, before anything is built
+    strategies.module(strategy)
+    check_device(device)
+    nets.check_dtype(dtype)
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"unknown cost_model {cost_model!r}; valid: {', '.join(COST_MODELS)}")
+    row = {
+        "schema_version": SCHEMA_VERSION, "net": net, "strategy": strategy,
+        "batch_size": spec.batch_size if batch_size is None else batch_size,
+        "image_size": spec.image_size if image_size is None else image_size,
+        "device": device, "cost_model": cost_model, "budget_bytes": parse_budget(budget, device),
+        "options": dict(options or {}), "net_options": net_options, "warmup_steps": warmup_steps,
+        "timed_steps": timed_steps, "compiled": bool(compile), "dtype": dtype,
+        "paper_node_count": spec.paper_nodes, **_environment(),
+    }
+    nets.check_sizes(net, row["batch_size"], row["image_size"], **net_options)
+    return row
+
+
+def build_cell(row: dict) -> SimpleNamespace:
+    """What a cell runs, from its row (``net``, ``strategy``, sizes, ``device``, ``dtype``, ``budget_bytes``,
+    ``options``, ``compiled``...): the model and its input, the trace, the plan, what every plan holds
+    (``static_bytes``) and ``step``, the training step that runs the plan (None for a general schedule)."""
     model, example_input, loss_fn = nets.build(row["net"], row["batch_size"], row["image_size"], row["device"],
                                                row["dtype"], **row["net_options"])
     traced = trace(model, example_input, row["cost_model"], loss_fn=loss_fn)
-    graph = traced.graph
     static_bytes = fixed_bytes(model, example_input)
     # A strategy that follows the net's own layout (a PyTorch peer) gets the zoo's blocks or sequence; they
     # stay out of the row's options, which name the result file (options given in the row win in _solve).
     structure = nets.structure(row["net"], model, **row["net_options"])
-    plan = _solve(row, graph, static_bytes, peers.zoo_options(row["strategy"], structure))
+    plan = _solve(row, traced.graph, static_bytes, peers.zoo_options(row["strategy"], structure))
+    step = None
+    if plan.schedule is None:  # a Checkmate schedule: see _measure_cell
+        if plan.info.get("runner"):
+            step = peers.step(plan, model, structure, example_input, loss_fn, compile=row["compiled"])
+        elif row["compiled"]:
+            check_compilable(plan)
+            step = compiled_plan_step(traced, plan, example_input, loss_fn)
+        else:
+            step = lambda: execute(traced, plan, example_input, loss_fn=loss_fn)  # noqa: E731
+    return SimpleNamespace(model=model, example_input=example_input, traced=traced, plan=plan,
+                           static_bytes=static_bytes, step=step)
+
+
+def _measure_cell(row: dict) -> dict:
+    cell = build_cell(row)
+    model, example_input, traced, plan, static_bytes, step = (cell.model, cell.example_input, cell.traced,
+                                                              cell.plan, cell.static_bytes, cell.step)
+    graph = traced.graph
     predicted = strategies.simulate(graph, plan, liveness=True)
     predicted_no_liveness = strategies.simulate(graph, plan, liveness=False)
     if plan.schedule is not None:
@@ -114,13 +147,6 @@ def _measure_cell(row: dict) -> dict:
                     "method": "not run: the executor runs stage plans, not general (R, S) schedules"}
     else:
         compiled = row["compiled"] or plan.info.get("runner") == "torch_compile"
-        if plan.info.get("runner"):
-            step = peers.step(plan, model, structure, example_input, loss_fn, compile=row["compiled"])
-        elif row["compiled"]:
-            check_compilable(plan)
-            step = compiled_plan_step(traced, plan, example_input, loss_fn)
-        else:
-            step = lambda: execute(traced, plan, example_input, loss_fn=loss_fn)  # noqa: E731
         measured = _measured(measure(step, model, (example_input,), row["device"], row["warmup_steps"],
                                      row["timed_steps"], compiled=compiled))
         measured["compile_time_s"] = getattr(step, "compile_time_s", None)

@@ -69,3 +69,23 @@ def test_an_oom_row_leaves_the_device_free_for_the_next_cell():
     assert row["status"] == "oom" and "out of memory" in row["error"].lower()
     after = run_cell("resnet50", "vanilla", batch_size=16, device="cuda", warmup_steps=0, timed_steps=1)
     assert after["status"] == "ok"
+
+
+def test_a_profile_says_where_a_steps_time_goes(tmp_path):
+    """``harness.bench.profile_step``: a recomputing plan runs more ATen ops a step than vanilla (its
+    recomputed convolutions among them), and the ops' host time lies within the step's."""
+    from harness.bench import profile_step
+
+    figures = {}
+    for strategy in ("vanilla", "chen_sqrt"):
+        profile_step.main([str(tmp_path / strategy), "vgg19", strategy, "--batch", "2", "--side", "32",
+                           "--warmup", "1", "--steps", "1", "--trace"])
+        text = (tmp_path / f"{strategy}.md").read_text()
+        figures[strategy] = {line[2:].split(": ")[0]: float(line.split(": ")[1]) for line in text.splitlines()
+                             if line.startswith("- ")}
+        assert "aten::convolution" in text and (tmp_path / f"{strategy}.json").stat().st_size > 1000
+        parts = figures[strategy]
+        assert 0 < parts["host ms in ATen ops"] <= 1.05 * parts["wall ms per step"]  # no op counted twice
+    assert figures["chen_sqrt"]["ATen op calls per step"] > figures["vanilla"]["ATen op calls per step"]
+    with pytest.raises(SystemExit):  # meta has no time to profile
+        profile_step.main([str(tmp_path / "meta"), "vgg19", "vanilla", "--device", "meta"])

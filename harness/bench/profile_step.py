@@ -1,0 +1,107 @@
+"""Where one training step's time goes: ``python -m harness.bench.profile_step OUT_STEM NET STRATEGY [--budget
+6GB] [--device cuda] [--compile]``.
+
+Builds the cell as ``run_cell`` does (``harness.run.build_cell``), runs ``--warmup`` steps, then ``--steps``
+steps under ``torch.profiler`` and writes ``OUT_STEM.md``: the step's wall time; the host time spent inside
+ATen ops (dispatch and, on cuda, kernel launches; on cpu the compute too) and the rest, which is Python (the
+executor's and the model's); on cuda the time the GPU ran kernels, as a fraction of the wall time (well
+below 1: the GPU waited on the host); and the ops by self time on the host and on the device, per step.
+``--trace`` also writes the profiler's Chrome trace, ``OUT_STEM.json``. Nothing is measured on ``meta``
+(there is no time to profile): use ``cpu`` or ``cuda``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from harness.run import build_cell, cell_row
+
+
+def _clear_grads(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def profile_cell(cell, device: str, warmup: int, steps: int, trace_path: Path | None = None):
+    """(figures, ops table) of ``steps`` profiled steps of ``cell`` (``build_cell``'s)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        _clear_grads(cell.model)
+        cell.step()
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            _clear_grads(cell.model)
+            cell.step()
+        sync()
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    if trace_path is not None:
+        prof.export_chrome_trace(str(trace_path))
+    events = prof.key_averages()
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    ops = pd.DataFrame([{"op": e.key, "calls per step": e.count / steps,
+                         "host self ms": e.self_cpu_time_total / 1e3 / steps,
+                         "device self ms": e.self_device_time_total / 1e3 / steps if device == "cuda" else None}
+                        for e in host])
+    in_ops_ms = ops["host self ms"].sum()
+    figures = {"wall ms per step": wall_ms, "host ms in ATen ops": in_ops_ms,
+               "host ms outside them (Python)": max(0.0, wall_ms - in_ops_ms),
+               "ATen op calls per step": ops["calls per step"].sum()}
+    if device == "cuda":
+        kernel_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+        figures.update({"GPU kernel ms per step": kernel_ms, "GPU busy fraction": kernel_ms / wall_ms})
+    return figures, ops.sort_values("host self ms", ascending=False)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m harness.bench.profile_step", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_stem", type=Path)
+    parser.add_argument("net")
+    parser.add_argument("strategy")
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--side", type=int)
+    parser.add_argument("--budget")
+    parser.add_argument("--mode", choices=["tc", "mc"], help="the DPs' mode")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--top", type=int, default=25, help="ops listed")
+    parser.add_argument("--trace", action="store_true", help="also write the Chrome trace, OUT_STEM.json")
+    args = parser.parse_args(argv)
+    row = cell_row(args.net, args.strategy, batch_size=args.batch, image_size=args.side, device=args.device,
+                   budget=args.budget, options={"mode": args.mode} if args.mode else {}, compile=args.compile)
+    cell = build_cell(row)
+    if cell.step is None:
+        raise SystemExit(f"{args.strategy} gives a general schedule, which the executor does not run")
+    args.out_stem.parent.mkdir(parents=True, exist_ok=True)
+    figures, ops = profile_cell(cell, args.device, args.warmup, args.steps,
+                                args.out_stem.with_suffix(".json") if args.trace else None)
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    command = "python -m harness.bench.profile_step " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines = [f"- {name}: {value:.4g}" for name, value in figures.items()]
+    args.out_stem.with_suffix(".md").write_text(
+        f"Made by `{command}` on {datetime.date.today()}, on {where} ({'compiled' if args.compile else 'eager'}; "
+        f"{args.net} batch {row['batch_size']}, side {row['image_size']}; plan: {len(cell.plan.stages)} stage(s), "
+        f"{bin(cell.plan.recomputed).count('1')} recomputed IR nodes). Per step, mean of {args.steps} profiled "
+        f"steps after {args.warmup} warm-ups.\n\n" + "\n".join(lines) + "\n\n"
+        + ops.head(args.top).to_markdown(index=False, floatfmt=".4g") + "\n")
+    print("\n".join(lines))
+    print(f"profile: {args.out_stem}.md")
+
+
+if __name__ == "__main__":
+    main()
