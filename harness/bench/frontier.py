@@ -158,7 +158,7 @@ def dominance(table: pd.DataFrame) -> list[str]:
     return lines
 
 
-def plot(table: pd.DataFrame, net: str, device: str, caption: str, path: Path) -> None:
+def plot(table: pd.DataFrame, net: str, device: str, where: str, caption: str, path: Path) -> None:
     _, _, axis_label = time_axis(device)
     group = table[table.net == net].dropna(subset=["peak GB", "time"])
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -171,7 +171,8 @@ def plot(table: pd.DataFrame, net: str, device: str, caption: str, path: Path) -
     ax.step(front["peak GB"], front.time, where="post", color="k", linewidth=1, label="Pareto front")
     ax.set_xlabel("measured peak (GB)")
     ax.set_ylabel(axis_label)
-    ax.set_title(f"{net}: memory against time, every strategy (hollow: eager, filled: compiled)", fontsize=10)
+    ax.set_title(f"{net}: memory against time, every strategy (hollow: eager, filled: compiled)\n{where}",
+                 fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     save_figure(fig, caption, path)
@@ -220,7 +221,7 @@ def main(argv=None) -> None:
              else "meta device: peaks measured by the tracker (compiled points: the AOT replay), time is FLOPs run")
     args.out_stem.parent.mkdir(parents=True, exist_ok=True)
     for net in names:
-        plot(table, net, args.device, f"{command}  ({datetime.date.today()}; {where})",
+        plot(table, net, args.device, where, f"{command}  ({datetime.date.today()})",
              Path(f"{args.out_stem}_{net}.png"))
     table.to_csv(args.out_stem.with_suffix(".csv"), index=False, float_format="%.4g")
     _, _, axis_label = time_axis(args.device)
