@@ -73,7 +73,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from harness.measure import MemoryTracker
+from harness.measure import MemoryTracker, clear_grads
 from harness.trace import Traced, generators_of, rng_state, set_rng_state
 from strategies import Inapplicable, Plan
 
@@ -296,13 +296,8 @@ def compiled_step(forward, model: nn.Module, example_input: torch.Tensor, loss_f
         for buffer, value in zip(model.buffers(), buffers):
             buffer.copy_(value)
     set_rng_state(drawn_from)
-    _clear_grads(model)
+    clear_grads(model)
     return run
-
-
-def _clear_grads(model: nn.Module) -> None:
-    for p in model.parameters():
-        p.grad = None
 
 
 @contextlib.contextmanager
@@ -355,7 +350,7 @@ def _replayed_step(forward, model, example_input, loss_fn, patches, partition, c
                 f"this program into several ({str(error).splitlines()[0]}); measure it on cpu or cuda, or run "
                 "it with compile=false") from None
     compile_time_s = time.perf_counter() - start
-    _clear_grads(model)
+    clear_grads(model)
     placeholders = [n.name for n in graphs["backward"].graph.find_nodes(op="placeholder")]
     saved_count = sum(1 for name in placeholders if not name.startswith("tangents"))
 

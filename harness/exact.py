@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from harness.measure import clear_grads
 from harness.trace import non_leaf_attributes
 
 # Above this, a gradient is wrong, not rounded: a stage order changes only the order in which autograd
@@ -71,8 +72,8 @@ def compare(model: nn.Module, example_input: torch.Tensor, loss_fn, run_plan: Ca
     returning the loss) from the same state and seed; ``model`` is put back as it was."""
     state = copy.deepcopy(model.state_dict())
     reference = copy.deepcopy(model, {id(t): t.detach().clone() for t in non_leaf_attributes(model)})
-    for p in [*model.parameters(), *reference.parameters()]:
-        p.grad = None
+    clear_grads(model)
+    clear_grads(reference)
     torch.manual_seed(seed)
     reference_loss = loss_fn(reference(example_input))
     reference_loss.backward()
@@ -93,8 +94,7 @@ def compare(model: nn.Module, example_input: torch.Tensor, loss_fn, run_plan: Ca
             worst, worst_name = difference, name
     buffers = tuple(name for (name, b), r in zip(model.named_buffers(), reference.buffers()) if not torch.equal(b, r))
     model.load_state_dict(state)
-    for p in model.parameters():
-        p.grad = None
+    clear_grads(model)
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     return Difference(loss=abs(loss.item() - reference_loss.item()), worst_gradient=worst,
                       worst_parameter=worst_name, buffers=buffers,

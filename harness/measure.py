@@ -197,7 +197,7 @@ def measure(step: Callable[[], object], model: torch.nn.Module, inputs: tuple[to
             # Counted in a step of its own: the counter's module hooks hold tensors the tracker would count.
             with FlopCounterMode(display=False) as flops:
                 step()
-        _clear_grads(model)
+        clear_grads(model)
         return Measurement(device="meta", method="meta-tracker", peak_bytes=tracked.peak_bytes,
                            tracker_peak_bytes=tracked.peak_bytes, device_name="meta", **_parts(tracked),
                            step_flops=flops.get_total_flops())
@@ -211,10 +211,10 @@ def measure(step: Callable[[], object], model: torch.nn.Module, inputs: tuple[to
 
 
 def _tracked_step(step, model, inputs) -> MemoryTracker:
-    _clear_grads(model)
+    clear_grads(model)
     with MemoryTracker(model, inputs) as tracker:
         step()
-    _clear_grads(model)
+    clear_grads(model)
     return tracker
 
 
@@ -223,20 +223,20 @@ def _parts(tracker: MemoryTracker) -> dict:
                 activations_bytes=tracker.peak_parts["activations"], host_peak_bytes=tracker.host_peak_bytes)
 
 
-def _clear_grads(model):
+def clear_grads(model):
     for p in model.parameters():
         p.grad = None
 
 
 def _timed(step, model, warmup_steps, timed_steps, clock) -> list[float]:
     for _ in range(warmup_steps):
-        _clear_grads(model)
+        clear_grads(model)
         step()
     times = []
     for _ in range(timed_steps):
-        _clear_grads(model)
+        clear_grads(model)
         times.append(clock(step))
-    _clear_grads(model)
+    clear_grads(model)
     return times
 
 
@@ -263,7 +263,7 @@ def _median_iqr(times: list[float]) -> dict:
 
 
 def _measure_cuda(step, model, tracked, warmup_steps, timed_steps) -> Measurement:
-    _clear_grads(model)
+    clear_grads(model)
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

@@ -135,8 +135,7 @@ def build_cell(row: dict) -> SimpleNamespace:
 
 def _measure_cell(row: dict) -> dict:
     cell = build_cell(row)
-    model, example_input, traced, plan, static_bytes, step = (cell.model, cell.example_input, cell.traced,
-                                                              cell.plan, cell.static_bytes, cell.step)
+    traced, plan, static_bytes = cell.traced, cell.plan, cell.static_bytes
     graph = traced.graph
     predicted = strategies.simulate(graph, plan, liveness=True)
     predicted_no_liveness = strategies.simulate(graph, plan, liveness=False)
@@ -147,9 +146,9 @@ def _measure_cell(row: dict) -> dict:
                     "method": "not run: the executor runs stage plans, not general (R, S) schedules"}
     else:
         compiled = row["compiled"] or plan.info.get("runner") == "torch_compile"
-        measured = _measured(measure(step, model, (example_input,), row["device"], row["warmup_steps"],
-                                     row["timed_steps"], compiled=compiled))
-        measured["compile_time_s"] = getattr(step, "compile_time_s", None)
+        measured = _measured(measure(cell.step, cell.model, (cell.example_input,), row["device"],
+                                     row["warmup_steps"], row["timed_steps"], compiled=compiled))
+        measured["compile_time_s"] = getattr(cell.step, "compile_time_s", None)
         if row["device"] == "cuda" and measured["tracker_peak_bytes"] is not None:
             # What the device adds beyond the one accounting: cuDNN's and cuBLAS's workspaces, allocator rounding.
             measured["device_reserve_bytes"] = measured["measured_peak_bytes"] - measured["tracker_peak_bytes"]

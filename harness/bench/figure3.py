@@ -147,13 +147,12 @@ def main(argv=None) -> None:
         raise SystemExit(f"no batch sizes for {', '.join(unknown)} (give --batches); nets with them: "
                          f"{', '.join(BATCHES)}")
     batches = {net: [int(b) for b in args.batches.split(",")] if args.batches else BATCHES[net] for net in names}
-    curves = CURVES
-    if args.curves is not None:
-        curves = [(strategy, options) for strategy, options in CURVES if label(strategy, options) in
-                  args.curves.split(",")]
-        unknown = sorted(set(args.curves.split(",")) - {label(s, o) for s, o in curves})
-        if unknown:
-            raise SystemExit(f"unknown curves {', '.join(unknown)}; valid: {', '.join(label(s, o) for s, o in CURVES)}")
+    labels = [label(strategy, options) for strategy, options in CURVES]
+    chosen = labels if args.curves is None else args.curves.split(",")
+    unknown = sorted(set(chosen) - set(labels))
+    if unknown:
+        raise SystemExit(f"unknown curves {', '.join(unknown)}; valid: {', '.join(labels)}")
+    curves = [curve for curve, name in zip(CURVES, labels) if name in chosen]
     cells = [(net, batch, strategy, options) for net in names for strategy, options in curves
              for batch in batches[net]]
     rows, past_the_end = [], set()

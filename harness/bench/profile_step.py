@@ -23,26 +23,22 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from harness.measure import clear_grads
 from harness.run import build_cell, cell_row
-
-
-def _clear_grads(model: torch.nn.Module) -> None:
-    for p in model.parameters():
-        p.grad = None
 
 
 def profile_cell(cell, device: str, warmup: int, steps: int, trace_path: Path | None = None):
     """(figures, ops table) of ``steps`` profiled steps of ``cell`` (``build_cell``'s)."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(warmup):
-        _clear_grads(cell.model)
+        clear_grads(cell.model)
         cell.step()
     sync()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(steps):
-            _clear_grads(cell.model)
+            clear_grads(cell.model)
             cell.step()
         sync()
         wall_ms = (time.perf_counter() - start) * 1e3 / steps
