@@ -68,11 +68,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_leaves
 
 from harness.measure import on_host, recomputing
 from harness.nets import sum_loss
-from harness.trace import Traced, generators_of, grad_mode, rng_state, set_rng_state, written_state
+from harness.trace import (Traced, generators_of, grad_mode, rng_state, same_rng_state, set_rng_state,
+                           tensors_of, written_state)
 from strategies import Plan, bits, members
 from strategies.simulate import called_for
 
@@ -197,9 +197,12 @@ class _Step:
         args = iter(inputs)
         module = self.traced.module
         self.static = {id(t.untyped_storage()) for t in list(module.parameters()) + list(module.buffers()) + list(inputs)}
-        # A recomputation may run on autograd's device thread, where a default device set here is not.
-        self.default_device = torch.get_default_device()
-        self.rng = ({t.device for t in [*module.parameters(), *module.buffers(), *inputs]}, generators_of(module))
+        # A recomputation may run on autograd's device thread, where a default device set here is not; it
+        # enters it only where one was set: the context is a torch-function mode, a Python call for every
+        # torch call in the recomputation (6,500 a step for chen_sqrt on ResNet-152).
+        default = torch.get_default_device()
+        self.default_device = torch.device(default) if default.type != "cpu" else contextlib.nullcontext()
+        self.rng = ({t.device for t in [*module.parameters(), *module.buffers(), *inputs]}, _generators(module))
         for node in self.order:
             if node.op == "output":
                 return self._load(node.args[0])
@@ -252,7 +255,7 @@ class _Step:
 
     def _store(self, node: fx.Node, value):
         g = self.traced.group_of.get(node.name)
-        self.needs_grad[node.name] = any(t.requires_grad for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+        self.needs_grad[node.name] = any(t.requires_grad for t in tensors_of((value,)))
         if g is None:
             self.constants[node.name] = value  # no tensor of its own: kept for the whole step
         else:
@@ -441,7 +444,7 @@ class _Step:
         # makes several (``torch.linalg.qr``'s Q and R, ``var_mean``, values and indices) saves any of them.
         storages = {g: {} for g in groups if self.value_tokens.get(g)}
         ranks = {g: {} for g in storages}
-        with torch.no_grad(), _preserved_rng(self.rng), torch.device(self.default_device), recomputing():
+        with torch.no_grad(), _preserved_rng(self.rng), self.default_device, recomputing():
             for node in order:
                 load = lambda a: self._load(a, env)  # noqa: E731
                 if node.name in self.extra_nodes:
@@ -522,29 +525,41 @@ class _Step:
         [replaying side effects])."""
         if not recompute and node.name in self.recomputable:
             before = rng_state(self.rng)
-            written = written_state(self.traced.module, node, args, kwargs, self.buffer_ids, self.written)
+            written = written_state(self.traced.module, node, args, kwargs, self.buffer_ids, self.written,
+                                    self.modules.get(node.target) if node.op == "call_module" else None)
             if written:  # the state as this call finds it, for the recomputation to start from
                 self.state_before[node.name] = [t.detach().clone() for t in written]
             value = self._call(node, args, kwargs)
-            if not _same_rng_state(before, rng_state(self.rng)):
+            if not same_rng_state(before, rng_state(self.rng)):
                 self.rng_states[node.name] = before
             return value
         if not recompute:
             return self._call(node, args, kwargs)
         if node.name in self.rng_states:
             set_rng_state(self.rng_states[node.name])
-        written = written_state(self.traced.module, node, args, kwargs, self.buffer_ids, self.written)
+        written = written_state(self.traced.module, node, args, kwargs, self.buffer_ids, self.written,
+                                self.modules.get(node.target) if node.op == "call_module" else None)
         found = self.state_before.pop(node.name, [])
-        after = []
+        # A buffer the call reaches as itself (its module's, or an argument) reads the state as found by
+        # taking the copy's data for the call, which then writes into the copy: no kernel. One it reaches
+        # through a view made before the call would not see that, so it is copied in and back instead.
+        views = {id(a.untyped_storage()) for a in tensors_of(args, kwargs) if all(a is not t for t in written)}
+        swapped, copied = [], []
         with torch.no_grad():
             for i, t in enumerate(written):  # one buffer at a time: the copy of the state as found goes
-                after.append(t.detach().clone())
-                t.copy_(found[i])
+                if id(t.untyped_storage()) in views:
+                    copied.append((t, t.detach().clone()))
+                    t.copy_(found[i])
+                else:
+                    swapped.append((t, t.data))
+                    t.data = found[i]
                 found[i] = None
         value = self._call(node, args, kwargs)
         with torch.no_grad():
-            for t, old in zip(written, after):
+            for t, old in copied:
                 t.copy_(old)
+            for t, old in swapped:
+                t.data = old
         return value
 
     def _call(self, node: fx.Node, args, kwargs):
@@ -658,15 +673,15 @@ def _ranked(value, ranks: dict[int, int]) -> dict[int, torch.Tensor]:
     """The storages ``value`` holds that ``ranks`` had not seen, by id, each with a tensor on it; each is
     given the next rank, so a value's storages are ranked alike in its forward call and its recomputation."""
     new = {}
-    for t in tree_leaves(value):
-        if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in ranks:
+    for t in tensors_of((value,)):
+        if id(t.untyped_storage()) not in ranks:
             ranks[id(t.untyped_storage())] = len(ranks)
             new[id(t.untyped_storage())] = t
     return new
 
 
 def _first_tensor(value) -> torch.Tensor:
-    return next(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return tensors_of((value,))[0]
 
 
 def _fetch_attr(module: torch.nn.Module, target: str):
@@ -676,9 +691,15 @@ def _fetch_attr(module: torch.nn.Module, target: str):
     return value
 
 
-def _same_rng_state(a: tuple, b: tuple) -> bool:
-    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for part in (1, 2)
-                                           for (_, x), (_, y) in zip(a[part], b[part]))
+_GENERATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _generators(module: fx.GraphModule) -> list[torch.Generator]:
+    """``generators_of(module)``, found at its first step: the walk over every call's arguments and every
+    module's attributes took a few milliseconds of host time a step."""
+    if module not in _GENERATORS:
+        _GENERATORS[module] = generators_of(module)
+    return _GENERATORS[module]
 
 
 @contextlib.contextmanager

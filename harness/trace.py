@@ -1026,20 +1026,40 @@ def generators_of(module: torch.nn.Module) -> list[torch.Generator]:
 
 
 def rng_state(rng: tuple) -> tuple:
-    """The states of the default CPU generator, of the CUDA devices' and of the program's own generators."""
+    """The states of the default CPU generator, of the CUDA devices' and of the program's own generators. A
+    CUDA generator's whole state is its seed and Philox offset, kept as two numbers: taking and comparing
+    them makes no tensor (the executor does both around every layer call it may recompute)."""
     devices, generators = rng
-    cuda = sorted({d for d in devices if d.type == "cuda"}, key=lambda d: d.index or 0)
-    return (torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in cuda],
-            [(g, g.get_state()) for g in generators])
+    cuda = sorted({_cuda_index(d) for d in devices if d.type == "cuda"})
+    return (torch.get_rng_state(), [(i, _philox(torch.cuda.default_generators[i])) for i in cuda],
+            [(g, _philox(g) if g.device.type == "cuda" else g.get_state()) for g in generators])
 
 
 def set_rng_state(state: tuple):
     cpu, cuda, generators = state
     torch.set_rng_state(cpu)
-    for device, s in cuda:
-        torch.cuda.set_rng_state(s, device)
+    for index, s in cuda:
+        _set_philox(torch.cuda.default_generators[index], s)
     for generator, s in generators:
-        generator.set_state(s)
+        _set_philox(generator, s) if isinstance(s, tuple) else generator.set_state(s)
+
+
+def same_rng_state(a: tuple, b: tuple) -> bool:
+    return torch.equal(a[0], b[0]) and a[1] == b[1] and all(
+        x == y if isinstance(x, tuple) else torch.equal(x, y) for (_, x), (_, y) in zip(a[2], b[2]))
+
+
+def _cuda_index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def _philox(generator: torch.Generator) -> tuple[int, int]:
+    return generator.initial_seed(), generator.get_offset()
+
+
+def _set_philox(generator: torch.Generator, state: tuple[int, int]):
+    generator.manual_seed(state[0])  # which sets the offset to 0
+    generator.set_offset(state[1])
 
 
 def _symbolic_trace(model: torch.nn.Module, example_input: torch.Tensor) -> fx.GraphModule:
@@ -1218,16 +1238,32 @@ def _why_untraceable(model: torch.nn.Module, error: Exception) -> str:
 
 
 def written_state(module: torch.nn.Module, node: fx.Node, args, kwargs, buffer_ids: set[int],
-                  written: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
+                  written: dict[int, torch.Tensor] | None = None,
+                  submodule: torch.nn.Module | None = None) -> list[torch.Tensor]:
     """The state a call of ``node`` may write, or read before a later node writes it, which a recomputation
     starts from as the forward call found it (NOTE [replaying side effects] in ``harness/execute.py``): its
-    module's buffers, for a module call; the buffers among its inputs (ids in ``buffer_ids``); and the
-    buffers a node of their own writes (``written``: storage id -> buffer) that it reads, through a view too."""
-    found = list(module.get_submodule(node.target).buffers()) if node.op == "call_module" else []
-    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    module's buffers (``submodule``: that module, when the caller has it at hand), for a module call; the
+    buffers among its inputs (ids in ``buffer_ids``); and the buffers a node of their own writes (``written``:
+    storage id -> buffer) that it reads, through a view too."""
+    found = []
+    if node.op == "call_module":
+        submodule = module.get_submodule(node.target) if submodule is None else submodule
+        # a layer with no children (BatchNorm) holds its buffers itself; ``buffers()`` walks every module
+        found = [b for b in submodule._buffers.values() if b is not None] if not submodule._modules \
+            else list(submodule.buffers())
+    tensors = tensors_of(args, kwargs)
     found += [t for t in tensors if id(t) in buffer_ids]
-    found += [written[id(_storage(t))] for t in tensors if written and id(_storage(t)) in written]
-    return list({id(t): t for t in found}.values())
+    if written:
+        found += [written[id(_storage(t))] for t in tensors if id(_storage(t)) in written]
+    return list({id(t): t for t in found}.values()) if len(found) > 1 else found
+
+
+def tensors_of(args, kwargs=None) -> list[torch.Tensor]:
+    """The tensors among a call's arguments, at any depth; flat arguments without the pytree walk."""
+    if not kwargs and isinstance(args, tuple) and all(isinstance(a, (torch.Tensor, int, float, bool, type(None)))
+                                                      for a in args):
+        return [a for a in args if isinstance(a, torch.Tensor)]
+    return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:

@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 15 and 16 that fit one short lease of the device machine (15 minutes of device
-# time, start included): run from the repository root there, `bash results/gpu_lease.sh`, with the wheels
-# of hydra-core, omegaconf, antlr4-python3-runtime and segmentation-models-pytorch in .whl/ (README, "A GPU
-# node that reaches no package registry"). Each stage has a deadline; every cell writes its row as it ends
-# and a later run resumes from the rows there, so a stage cut short keeps what it measured. Everything lands
-# in $OUT/lease.tgz (rows and tables) and $OUT/lease.log; the tables are drawn again here from the rows
-# (`--from-rows`).
-#   0. Where eager recomputation's time goes (harness.bench.profile_step): ResNet-152 at batch 128, vanilla
-#      and approx_dp (tc) at 6.0 GB, eager (on the H200, 137 and 305 ms for 1.20x the FLOPs).
-#   1. Figure 3's claim: vanilla up to the first batch that does not fit 11.4 GB, then approx_dp (tc) and
-#      chen_sqrt at twice vanilla's largest batch (ResNet-152, PSPNet).
-#   2. The frontier on ResNet-152 at batch 128: vanilla eager and compiled, approx_dp (tc) eager and compiled
-#      at 6.0 GB (issue 16's first goal), the compile peer at ratio 0.2; then, as time allows, more budgets
-#      and ratios.
-#   3. The tests marked gpu.
+# The GPU checks of issues 15 and 16 that fit a short lease of the device machine (15 minutes of device time,
+# starts included): run from the repository root there, `bash results/gpu_lease.sh [STAGE...]`, with the
+# wheels of hydra-core, omegaconf, antlr4-python3-runtime and segmentation-models-pytorch in .whl/ (README, "A
+# GPU node that reaches no package registry"). The stages, in this order (all of them when none is named):
+#   profile    where eager recomputation's time goes (harness.bench.profile_step): ResNet-152 at batch 128,
+#              vanilla, approx_dp (tc) at 6.0 GB (with its Chrome trace, gzipped) and chen_sqrt, eager (on the
+#              H200, 137 and 305 ms for 1.20x the FLOPs).
+#   figure3    Figure 3's claim: vanilla up to the first batch that does not fit 11.4 GB, then approx_dp (tc)
+#              and chen_sqrt at twice vanilla's largest batch (ResNet-152, PSPNet).
+#   max_batch  the largest batch in 80 GB of chen_sqrt and approx_dp (tc, mc) on ResNet-50 and ResNet-152, each
+#              search starting from meta's answer (results/rows_max_batch_meta), its probes memory-only.
+#   frontier   ResNet-152 at batch 128: vanilla eager and compiled, approx_dp (tc) eager and compiled at 6.0,
+#              8.6 and 12.8 GB (issue 16's goals; DP_BUDGETS=6.0GB for fewer).
+#   peer       the compile peer's ratios on ResNet-152 at batch 128 (RATIOS, default 0.5,0.2,0,0.8,1).
+#   tests      the tests marked gpu (GPU_TESTS: which files or tests).
+# Each stage has a deadline; every cell writes its row as it ends and a later run resumes from the rows there,
+# so a stage cut short keeps what it measured. Everything lands in $OUT/lease.tgz (rows, tables, profiles,
+# tarred after each stage) and $OUT/lease.log; draw the tables again here from the rows (`--from-rows`).
 # On an H200 the rows of results/rows_h200 are copied in first, so a cell measured there is not run again
-# (run_cell's resume) and the lease goes on where the last one stopped.
+# (run_cell's resume) and the lease goes on where the last one stopped; EAGER_AGAIN=1 leaves out the eager
+# rows among them, so that the stages measure those again (after a change to the executor's host work).
 # DEVICE=meta rehearses it here (the same commands on meta; the gpu tests skip; no profile).
 set -u
 DEVICE=${DEVICE:-cuda}
@@ -46,19 +50,40 @@ CARD=$(python3 -c "import torch; print(torch.cuda.is_available() and torch.cuda.
 echo "torch $(python3 -c 'import torch; print(torch.__version__)') on $CARD"
 if [ "$DEVICE" = cuda ] && [ "$CARD" = "NVIDIA H200" ]; then
     cp -r results/rows_h200/. "$ROWS/"
+    if [ "${EAGER_AGAIN:-0}" = 1 ]; then
+        find "$ROWS" -name '*__cuda.json' -delete  # the compiled rows end in __cuda__compiled.json
+    fi
 fi
-if [ "$DEVICE" = cuda ]; then
-    PS="python3 -m harness.bench.profile_step --device cuda --batch 128 --steps 3"
-    stage 80 "$PS $WORK/profile_vanilla resnet152 vanilla && $PS $WORK/profile_tc6 resnet152 approx_dp --budget 6GB"
-fi
-F3="python3 -m harness.bench.figure3 --device $DEVICE --memory 11.4GB --rows $ROWS/figure3"
-stage 110 "$F3 $WORK/f3a --nets resnet152 --curves vanilla --batches 32,48,64 \
-    && $F3 $WORK/f3b --nets resnet152 --curves 'approx_dp (tc),chen_sqrt' --batches 96 \
-    && $F3 $WORK/f3c --nets pspnet --curves vanilla --batches 1,2,3 \
-    && $F3 $WORK/f3d --nets pspnet --curves 'approx_dp (tc),chen_sqrt' --batches 4"
+STAGES=${*:-profile figure3 max_batch frontier peer tests}
 FR="python3 -m harness.bench.frontier --device $DEVICE --nets resnet152 --timed-steps 10 --rows $ROWS/frontier"
-stage 240 "$FR $WORK/fra --strategies approx_dp,torch_compile_budget --ratios 0.2 --dp-budgets 6.0GB \
-    && $FR $WORK/frb --strategies approx_dp,torch_compile_budget --ratios 0.2,0.5,1 --dp-budgets 6.0GB,8.6GB,12.8GB"
-stage 130 "python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_measure.py tests/test_swap.py tests/test_gpu.py"
+for name in $STAGES; do
+    case $name in
+    profile)
+        [ "$DEVICE" = cuda ] || continue
+        PS="python3 -m harness.bench.profile_step --device cuda --batch 128 --steps 3 --top 40"
+        stage 120 "$PS $WORK/profile_tc6 resnet152 approx_dp --budget 6GB --trace && gzip -f $WORK/profile_tc6.json \
+            && $PS $WORK/profile_chen resnet152 chen_sqrt && $PS $WORK/profile_vanilla resnet152 vanilla" ;;
+    figure3)
+        F3="python3 -m harness.bench.figure3 --device $DEVICE --memory 11.4GB --rows $ROWS/figure3"
+        stage 110 "$F3 $WORK/f3a --nets resnet152 --curves vanilla --batches 32,48,64 \
+            && $F3 $WORK/f3b --nets resnet152 --curves 'approx_dp (tc),chen_sqrt' --batches 96 \
+            && $F3 $WORK/f3c --nets pspnet --curves vanilla --batches 1,2,3 \
+            && $F3 $WORK/f3d --nets pspnet --curves 'approx_dp (tc),chen_sqrt' --batches 4" ;;
+    max_batch)
+        stage "${MAX_BATCH_S:-300}" "python3 -m harness.bench.max_batch $WORK/max_batch --device $DEVICE --memory 80GB \
+            --nets resnet50,resnet152 --strategies chen_sqrt,approx_dp --guess-from results/rows_max_batch_meta \
+            --timed-steps 0 --rows $ROWS/max_batch" ;;
+    frontier)
+        stage 240 "$FR $WORK/fra --strategies approx_dp --dp-budgets ${DP_BUDGETS:-6.0GB,8.6GB,12.8GB}" ;;
+    peer)
+        stage 460 "$FR $WORK/frp --strategies torch_compile_budget --ratios ${RATIOS:-0.5,0.2,0,0.8,1}" ;;
+    tests)
+        stage 130 "python3 -m pytest -q -p no:cacheprovider -m gpu \
+            ${GPU_TESTS:-tests/test_measure.py tests/test_swap.py tests/test_gpu.py}" ;;
+    *)
+        echo "unknown stage $name; valid: profile figure3 max_batch frontier peer tests"
+        exit 2 ;;
+    esac
+done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 echo "=== $(date -u +%T) done"

@@ -1,12 +1,18 @@
 """On a CUDA GPU (skipped without one): compiled code measured by the allocator, the compile peer's budget
-doing what it says, and the one accounting holding on the device, with the reserve the device adds."""
+doing what it says, the one accounting holding on the device, with the reserve the device adds, and the CUDA
+generators' states replayed exactly."""
 
 from functools import cache
 
 import pytest
 import torch
+from torch import nn
 
+import strategies
+from harness.exact import compare
+from harness.execute import execute
 from harness.run import run_cell
+from harness.trace import trace
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -49,3 +55,36 @@ def test_a_budget_holds_on_cuda_and_the_row_says_what_the_device_adds():
         assert done["measured_peak_bytes"] == done["tracker_peak_bytes"] + done["device_reserve_bytes"]
         assert 0 <= done["device_reserve_bytes"] < 0.25 * done["measured_peak_bytes"]
     assert row["tracker_peak_bytes"] <= budget < vanilla["tracker_peak_bytes"]
+
+
+class CudaDraws(nn.Module):
+    """Draws from the CUDA device's generator (dropout, ``torch.rand``) and from one of its own on the device,
+    between BatchNorm layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+        self.norm_a, self.norm_b = nn.BatchNorm1d(64), nn.BatchNorm1d(64)
+        self.drop = nn.Dropout(0.5)
+        self.generator = torch.Generator("cuda").manual_seed(1)
+
+    def forward(self, x):
+        h = self.drop(torch.relu(self.norm_a(self.a(x))))
+        h = torch.tanh(self.norm_b(self.b(h))) * (torch.rand(h.shape, device=h.device) > 0.3)
+        return self.c(h * (torch.rand(h.shape, device=h.device, generator=self.generator) > 0.5))
+
+
+def test_recomputation_replays_the_cuda_generators_exactly():
+    """On cuda the executor keeps a CUDA generator's state as its seed and Philox offset (no tensor made
+    around each layer call it may recompute) and sets it again before the recomputation; the statistics of
+    BatchNorm, whose recomputation writes into the copy of the state its forward found, are updated once."""
+    torch.manual_seed(0)
+    model, x = CudaDraws().cuda().train(), torch.randn(32, 64, device="cuda")
+    loss_fn = lambda out: out.square().sum()  # noqa: E731
+    traced = trace(model, x, loss_fn=loss_fn)
+    graph = traced.graph
+    every_node = strategies.Plan.from_stages(graph, [strategies.bits([v]) for v in range(len(graph))])
+    for plan in (every_node, strategies.solve("chen_sqrt", graph), strategies.solve("approx_dp", graph, mode="mc")):
+        assert plan.recomputed
+        difference = compare(model, x, loss_fn, lambda: execute(traced, plan, x, loss_fn=loss_fn))
+        assert difference.exact, difference

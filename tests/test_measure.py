@@ -1,5 +1,6 @@
 """The memory tracker against answers worked out by hand."""
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -84,8 +85,11 @@ def test_a_profile_says_where_a_steps_time_goes(tmp_path):
         figures[strategy] = {line[2:].split(": ")[0]: float(line.split(": ")[1]) for line in text.splitlines()
                              if line.startswith("- ")}
         assert "aten::convolution" in text and (tmp_path / f"{strategy}.json").stat().st_size > 1000
+        every_op = pd.read_csv(tmp_path / f"{strategy}.csv")
+        assert (every_op["calls per step"] > 0).all() and len(every_op) > 25  # more than the .md's top 25
         parts = figures[strategy]
         assert 0 < parts["host ms in ATen ops"] <= 1.05 * parts["wall ms per step"]  # no op counted twice
+        assert parts["wall ms per step, unprofiled"] > 0
     assert figures["chen_sqrt"]["ATen op calls per step"] > figures["vanilla"]["ATen op calls per step"]
     with pytest.raises(SystemExit):  # meta has no time to profile
         profile_step.main([str(tmp_path / "meta"), "vgg19", "vanilla", "--device", "meta"])

@@ -14,7 +14,9 @@ from harness import nets
 from harness.bench import figure3, max_batch
 from harness.paper_numbers import TABLE1_GB, TABLE2_GB
 from harness.bench.report import table1, table2
+from harness.budget import parse_budget
 from harness.results import load_results, stored_path, write_row
+from harness.run import run_cell
 from test_run import ROOT, _harness
 
 
@@ -52,6 +54,39 @@ def test_largest_batch_search_on_real_runs(tmp_path):
     assert largest["vanilla"] <= largest["approx_dp (tc)"] <= largest["approx_dp (mc)"]
     assert largest["vanilla"] < largest["approx_dp (mc)"]
     assert (tmp_path / "mb.md").read_text().startswith("Made by `python -m harness.bench.max_batch")
+
+
+def test_a_device_search_starts_from_metas_answer(monkeypatch, tmp_path):
+    """NOTE [searching on the device from meta's answer]: a device that adds a reserve of a few samples' bytes
+    to meta's peak is searched in three probes (meta's answer, over; that less the overshoot's samples; one
+    more), each measuring memory only, and gets the device's answer, not meta's."""
+    memory = parse_budget("2GB")
+    meta = max_batch.search("vgg19", "vanilla", {}, memory, "meta", tmp_path / "meta", None)
+    on_meta = {}
+
+    def meta_run(batch):
+        if batch not in on_meta:
+            on_meta[batch] = run_cell("vgg19", "vanilla", batch_size=batch, device="meta")
+        return on_meta[batch]
+
+    per_sample = (meta_run(2)["measured_peak_bytes"] - meta_run(1)["measured_peak_bytes"])
+    reserve = int(3.5 * per_sample)
+    probed = []
+
+    def device_run(net, strategy, *, batch_size, budget, warmup_steps, timed_steps, **kwargs):
+        assert (warmup_steps, timed_steps) == (0, 0)
+        probed.append(batch_size)
+        row = meta_run(batch_size)
+        return {"status": "ok", "measured_peak_bytes": row["measured_peak_bytes"] + reserve,
+                "measured_params_bytes": row["measured_params_bytes"], "device_reserve_bytes": reserve}
+
+    monkeypatch.setattr(max_batch, "run_cell", device_run)
+    found = max_batch.search("vgg19", "vanilla", {}, memory, "cuda", tmp_path / "cuda", None,
+                             guess_from=tmp_path / "meta", timed_steps=0)
+    largest = found["largest batch"]
+    assert meta_run(largest)["measured_peak_bytes"] + reserve <= memory
+    assert meta_run(largest + 1)["measured_peak_bytes"] + reserve > memory
+    assert largest < meta["largest batch"] and probed[0] == meta["largest batch"] and len(probed) <= 3
 
 
 def test_figure3_on_meta(tmp_path):

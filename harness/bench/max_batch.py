@@ -8,12 +8,21 @@ the device reserve a first run measured (``run_within``); the memory-centric DPs
 search starts from a guess (the paper's batch scaled by the memory left over, from a measured first run),
 gallops to a bracket and bisects; every probe is a real run whose row lands in ``--rows``, so a killed
 search resumes from the rows already there. Writes ``OUT_STEM.md`` and ``.csv``.
+
+NOTE [searching on the device from meta's answer]
+On meta the tracker's peak is the one accounting's, and on cuda the tracker sees the same bytes (to the byte
+in every eager H200 row); the device adds only its reserve (workspaces, rounding: ``device_reserve_bytes``).
+So the device's largest batch is meta's or a few fewer. Started there (``--guess-from`` the meta search's
+rows) a batch at a time, a search takes two or three probes instead of six to eight, each a minute or more
+near batch 2,000 on a GPU; a first probe over the memory steps down at once by as many samples as its
+overshoot holds. The answer is still the device's: every probe is a run there.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import platform
 import sys
 from pathlib import Path
@@ -47,10 +56,11 @@ def fits(row: dict, memory: int) -> bool:
     return row["status"] == "ok" and row["measured_peak_bytes"] <= memory
 
 
-def largest_batch(fits_at: Callable[[int], bool], guess: int) -> int:
+def largest_batch(fits_at: Callable[[int], bool], guess: int, step: int | None = None) -> int:
     """The largest batch b with ``fits_at(b)`` (0 when batch 1 does not fit), for a monotone ``fits_at``:
-    gallop from ``guess`` in steps that double, then bisect the bracket."""
-    step = max(1, guess // 16)
+    gallop from ``guess`` in steps that double (the first ``step``, by default a sixteenth of the guess),
+    then bisect the bracket."""
+    step = max(1, guess // 16) if step is None else step
     if fits_at(guess):
         low = guess
         while fits_at(low + step):
@@ -84,19 +94,24 @@ def stored_row(net: str, strategy: str, batch: int, device: str, budget: int | N
 
 def run_within(net: str, strategy: str, options: dict, batch: int, memory: int, device: str, rows_dir: Path,
                from_rows: bool = False, warmup_steps: int = 1, timed_steps: int = 3,
-               missing_ok: bool = False) -> dict | None:
+               missing_ok: bool = False, tried: list | None = None) -> dict | None:
     """The row of ``strategy`` at ``batch`` on a device of ``memory`` bytes (``cell_budget``). A plan given
     the memory as its budget fills it by the one accounting, which leaves out what the device adds
     (allocator rounding, cuDNN's and cuBLAS's workspaces: the row's ``device_reserve_bytes``, measured on
     cuda as the allocator's peak less the tracker's); where the run measures more than the memory, it runs
     once more with that reserve taken off the budget, as a user would. Rows stored before rows carried the
     reserve take the overshoot off instead, and rows stored before that retry existed (the H100's Figure 3)
-    have none: the first run's row stands. ``missing_ok`` (``from_rows``): None where no row was stored."""
+    have none: the first run's row stands. ``missing_ok`` (``from_rows``): None where no row was stored.
+    ``tried`` gets every row, the first run's too."""
     def probe(budget, required=True):
         if from_rows:
-            return stored_row(net, strategy, batch, device, budget, options, rows_dir, required)
-        return run_cell(net, strategy, batch_size=batch, device=device, budget=budget, options=options,
-                        warmup_steps=warmup_steps, timed_steps=timed_steps, results_dir=rows_dir, resume=True)
+            row = stored_row(net, strategy, batch, device, budget, options, rows_dir, required)
+        else:
+            row = run_cell(net, strategy, batch_size=batch, device=device, budget=budget, options=options,
+                           warmup_steps=warmup_steps, timed_steps=timed_steps, results_dir=rows_dir, resume=True)
+        if tried is not None and row is not None:
+            tried.append(row)
+        return row
 
     budget = cell_budget(strategy, options, memory)
     row = probe(budget, required=not missing_ok)
@@ -109,25 +124,41 @@ def run_within(net: str, strategy: str, options: dict, batch: int, memory: int, 
 
 
 def search(net: str, strategy: str, options: dict, memory: int, device: str, rows_dir: Path,
-           progress: tqdm, from_rows: bool = False) -> dict:
-    """Probe runs of one (net, strategy, memory) until its largest batch is known; its row in the table."""
+           progress: tqdm | None, from_rows: bool = False, guess_from: Path | None = None,
+           timed_steps: int = 3) -> dict:
+    """Probe runs of one (net, strategy, memory) until its largest batch is known; its row in the table.
+    ``guess_from``: the rows of the same search on meta, whose answer the search starts from, a step of one
+    batch (NOTE [searching on the device from meta's answer]); ``timed_steps`` per probe (0: memory only)."""
     spec = nets.spec(net)
     probes: dict[int, dict] = {}
+    over: dict[int, dict] = {}  # batch -> a run of it that measured more than the memory
 
     def fits_at(batch: int) -> bool:
-        row = run_within(net, strategy, options, batch, memory, device, rows_dir, from_rows)
+        tried = []
+        row = run_within(net, strategy, options, batch, memory, device, rows_dir, from_rows,
+                         warmup_steps=min(1, timed_steps), timed_steps=timed_steps, tried=tried)
+        over.update({batch: r for r in tried if r["status"] == "ok" and r["measured_peak_bytes"] > memory})
         probes[batch] = row
-        progress.set_postfix_str(f"{net} {label(strategy, options)} batch {batch}: {row['status']}")
+        if progress is not None:
+            progress.set_postfix_str(f"{net} {label(strategy, options)} batch {batch}: {row['status']}")
         return fits(row, memory)
 
-    fits_at(spec.batch_size)
-    first = probes[spec.batch_size]
-    guess = spec.batch_size
-    if first["status"] == "ok":  # peak = fixed + batch * per-sample bytes, from one measured point
-        fixed = 2 * first["measured_params_bytes"]  # parameters and their gradients
-        per_sample = max(1, (first["measured_peak_bytes"] - fixed) / spec.batch_size)
-        guess = max(1, int((memory - fixed) / per_sample))
-    batch = largest_batch(fits_at, guess)
+    if guess_from is not None:
+        guess = search(net, strategy, options, memory, "meta", guess_from, None, from_rows=True)["largest batch"]
+        step = 1
+        if not fits_at(guess) and guess in over:  # over by the device's reserve: that many samples fewer
+            row = over[guess]
+            per_sample = max(1, (row["measured_peak_bytes"] - 2 * row["measured_params_bytes"]) / guess)
+            guess = max(1, guess - math.ceil((row["measured_peak_bytes"] - memory) / per_sample))
+    else:
+        fits_at(spec.batch_size)
+        first = probes[spec.batch_size]
+        guess, step = spec.batch_size, None
+        if first["status"] == "ok":  # peak = fixed + batch * per-sample bytes, from one measured point
+            fixed = 2 * first["measured_params_bytes"]  # parameters and their gradients
+            per_sample = max(1, (first["measured_peak_bytes"] - fixed) / spec.batch_size)
+            guess = max(1, int((memory - fixed) / per_sample))
+    batch = largest_batch(fits_at, guess, step)
     best = probes.get(batch)
     return {"net": net, "strategy": label(strategy, options), "memory GB": memory / 1e9, "largest batch": batch,
             "peak GB there": best["measured_peak_bytes"] / 1e9 if best else float("nan"),
@@ -159,13 +190,17 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", type=Path, default=Path("results/runs"), help="where every probe's row goes")
     parser.add_argument("--from-rows", action="store_true",
                         help="run nothing: replay the searches over the rows in --rows (made where --device was)")
+    parser.add_argument("--guess-from", type=Path, help="the rows of the same searches on meta: each search "
+                        "starts from meta's answer, a batch at a time (for a device where a probe is slow)")
+    parser.add_argument("--timed-steps", type=int, default=3, help="steps timed per probe (0: memory only)")
     args = parser.parse_args(argv)
     memories = [parse_budget(m) for m in args.memory.split(",")]
     chosen = set(args.strategies.split(","))
     cells = [(net, strategy, options, memory) for memory in memories for net in args.nets.split(",")
              for strategy, options in STRATEGIES if strategy in chosen]
     progress = tqdm(cells, desc="largest batch")
-    table = pd.DataFrame([search(net, strategy, options, memory, args.device, args.rows, progress, args.from_rows)
+    table = pd.DataFrame([search(net, strategy, options, memory, args.device, args.rows, progress, args.from_rows,
+                                 args.guess_from, args.timed_steps)
                           for net, strategy, options, memory in progress])
     command = "python -m harness.bench.max_batch " + " ".join(argv if argv is not None else sys.argv[1:])
     measured = [r for r in _rows_of(args.rows, args.device) if r.get("device_name")]

@@ -2,11 +2,13 @@
 6GB] [--device cuda] [--compile]``.
 
 Builds the cell as ``run_cell`` does (``harness.run.build_cell``), runs ``--warmup`` steps, then ``--steps``
-steps under ``torch.profiler`` and writes ``OUT_STEM.md``: the step's wall time; the host time spent inside
-ATen ops (dispatch and, on cuda, kernel launches; on cpu the compute too) and the rest, which is Python (the
-executor's and the model's); on cuda the time the GPU ran kernels, as a fraction of the wall time (well
-below 1: the GPU waited on the host); and the ops by self time on the host and on the device, per step.
-``--trace`` also writes the profiler's Chrome trace, ``OUT_STEM.json``. Nothing is measured on ``meta``
+steps unprofiled, then ``--steps`` steps under ``torch.profiler``, and writes ``OUT_STEM.md``: the step's wall
+time, unprofiled and profiled (the profiler's own cost is the difference); the host time spent inside ATen ops
+(dispatch and, on cuda, kernel launches; on cpu the compute too) and the rest, which is Python (the executor's
+and the model's); on cuda the time the GPU ran kernels, as a fraction of the wall time (well below 1: the GPU
+waited on the host), and the CUDA runtime calls that make the host wait (synchronizations, ``cudaMalloc`` and
+``cudaFree``); and the ops by self time on the host and on the device, per step. ``OUT_STEM.csv`` holds every
+op. ``--trace`` also writes the profiler's Chrome trace, ``OUT_STEM.json``. Nothing is measured on ``meta``
 (there is no time to profile): use ``cpu`` or ``cuda``.
 """
 
@@ -28,20 +30,23 @@ from harness.run import build_cell, cell_row
 
 
 def profile_cell(cell, device: str, warmup: int, steps: int, trace_path: Path | None = None):
-    """(figures, ops table) of ``steps`` profiled steps of ``cell`` (``build_cell``'s)."""
+    """(figures, ops table) of ``steps`` profiled steps of ``cell`` (``build_cell``'s), after ``warmup`` steps
+    and ``steps`` unprofiled ones."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        clear_grads(cell.model)
-        cell.step()
-    sync()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
+
+    def ms_per_step(count: int) -> float:
         start = time.perf_counter()
-        for _ in range(steps):
+        for _ in range(count):
             clear_grads(cell.model)
             cell.step()
         sync()
-        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+        return (time.perf_counter() - start) * 1e3 / max(count, 1)
+
+    ms_per_step(warmup)
+    unprofiled_ms = ms_per_step(steps)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        wall_ms = ms_per_step(steps)
     if trace_path is not None:
         prof.export_chrome_trace(str(trace_path))
     events = prof.key_averages()
@@ -52,12 +57,17 @@ def profile_cell(cell, device: str, warmup: int, steps: int, trace_path: Path | 
                          "device self ms": e.self_device_time_total / 1e3 / steps if device == "cuda" else None}
                         for e in host])
     in_ops_ms = ops["host self ms"].sum()
-    figures = {"wall ms per step": wall_ms, "host ms in ATen ops": in_ops_ms,
+    figures = {"wall ms per step, unprofiled": unprofiled_ms, "wall ms per step": wall_ms,
+               "host ms in ATen ops": in_ops_ms,
                "host ms outside them (Python)": max(0.0, wall_ms - in_ops_ms),
-               "ATen op calls per step": ops["calls per step"].sum()}
+               "ATen op calls per step": ops[~ops["op"].str.startswith("cuda")]["calls per step"].sum()}
     if device == "cuda":
         kernel_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
         figures.update({"GPU kernel ms per step": kernel_ms, "GPU busy fraction": kernel_ms / wall_ms})
+        for name, pattern in (("synchronizations", "Synchronize"), ("cudaMalloc and cudaFree", "^cuda(?:Malloc|Free)")):
+            calls = ops[ops["op"].str.contains(pattern)]
+            figures[f"{name} per step"] = calls["calls per step"].sum()
+            figures[f"host ms in {name}"] = calls["host self ms"].sum()
     return figures, ops.sort_values("host self ms", ascending=False)
 
 
@@ -89,11 +99,13 @@ def main(argv=None) -> None:
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     command = "python -m harness.bench.profile_step " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [f"- {name}: {value:.4g}" for name, value in figures.items()]
+    ops.to_csv(args.out_stem.with_suffix(".csv"), index=False, float_format="%.4g")
     args.out_stem.with_suffix(".md").write_text(
         f"Made by `{command}` on {datetime.date.today()}, on {where} ({'compiled' if args.compile else 'eager'}; "
         f"{args.net} batch {row['batch_size']}, side {row['image_size']}; plan: {len(cell.plan.stages)} stage(s), "
         f"{bin(cell.plan.recomputed).count('1')} recomputed IR nodes). Per step, mean of {args.steps} profiled "
-        f"steps after {args.warmup} warm-ups.\n\n" + "\n".join(lines) + "\n\n"
+        f"steps after {args.warmup} warm-ups and {args.steps} unprofiled steps; every op in `{args.out_stem.name}.csv`."
+        "\n\n" + "\n".join(lines) + "\n\n"
         + ops.head(args.top).to_markdown(index=False, floatfmt=".4g") + "\n")
     print("\n".join(lines))
     print(f"profile: {args.out_stem}.md")
