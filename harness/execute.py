@@ -65,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 import torch.fx as fx
@@ -160,12 +161,13 @@ class _Step:
         self.discarded = set(members(self.plan.recomputed))
         remade = self.discarded - set(members(graph.never_recomputed()))  # its RNG and state are kept for it
         self.recomputable = {name for g in remade for name in self.traced.members[g]}
-        self.buffer_ids = {id(b) for b in self.traced.module.buffers()}
-        self.written = {id(b.untyped_storage()): b for name, b in self.traced.module.named_buffers()
-                        if name in self.traced.written_buffers}
+        named_buffers = list(self.traced.module.named_buffers())  # one walk over the modules a step
+        self.buffers = [b for _, b in named_buffers]
+        self.buffer_ids = {id(b) for b in self.buffers}
+        self.written = {id(b.untyped_storage()): b for name, b in named_buffers if name in self.traced.written_buffers}
         self.stage_of = self.plan.stage_of(len(graph))
         self.nodes = {n.name: n for n in self.traced.module.graph.nodes}
-        self.modules = dict(self.traced.module.named_modules())
+        self.modules = _static(self.traced.module).modules
         self.reads_left = _last_uses(self.traced.module.graph)
         self.order = self._stage_order()  # the forward's, and each recomputation's within its stage
         self.swapped = set(members(self.plan.swapped))
@@ -196,13 +198,14 @@ class _Step:
     def forward(self, inputs):
         args = iter(inputs)
         module = self.traced.module
-        self.static = {id(t.untyped_storage()) for t in list(module.parameters()) + list(module.buffers()) + list(inputs)}
+        held = [*module.parameters(), *self.buffers, *inputs]
+        self.static = {id(t.untyped_storage()) for t in held}
         # A recomputation may run on autograd's device thread, where a default device set here is not; it
         # enters it only where one was set: the context is a torch-function mode, a Python call for every
         # torch call in the recomputation (6,500 a step for chen_sqrt on ResNet-152).
         default = torch.get_default_device()
         self.default_device = torch.device(default) if default.type != "cpu" else contextlib.nullcontext()
-        self.rng = ({t.device for t in [*module.parameters(), *module.buffers(), *inputs]}, _generators(module))
+        self.rng = ({t.device for t in held}, _static(module).generators)
         for node in self.order:
             if node.op == "output":
                 return self._load(node.args[0])
@@ -691,15 +694,15 @@ def _fetch_attr(module: torch.nn.Module, target: str):
     return value
 
 
-_GENERATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_STATIC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _generators(module: fx.GraphModule) -> list[torch.Generator]:
-    """``generators_of(module)``, found at its first step: the walk over every call's arguments and every
-    module's attributes took a few milliseconds of host time a step."""
-    if module not in _GENERATORS:
-        _GENERATORS[module] = generators_of(module)
-    return _GENERATORS[module]
+def _static(module: fx.GraphModule) -> SimpleNamespace:
+    """What a traced module's steps share, found at its first: its modules by name, and ``generators_of(it)``
+    (each a walk over every module, or every call's arguments: milliseconds of host time a step)."""
+    if module not in _STATIC:
+        _STATIC[module] = SimpleNamespace(modules=dict(module.named_modules()), generators=generators_of(module))
+    return _STATIC[module]
 
 
 @contextlib.contextmanager
