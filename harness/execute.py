@@ -28,8 +28,10 @@ layer is. Both are done by mechanism, with no list of layer types:
   recomputation sets it again before that node, as ``torch.utils.checkpoint``'s ``preserve_rng_state``
   does per region. The program's own RNG streams go on afterwards as if nothing had been recomputed.
 - State. The buffers an fx node of a recomputed value can reach (its module's, for a module call; the
-  buffers among its inputs, for a function or method) are copied before its forward call; the
-  recomputation sets them to that copy, runs, and puts back what the forward left. So a layer whose
+  buffers among its inputs, for a function or method) are copied before its forward call; for the
+  recomputed call each buffer takes that copy's data (``t.data``: no kernel), so the call reads the state
+  as its forward found it and writes into the copy, and then gets its own data back; a buffer the call
+  reads through a view made before it (which would not see the swap) is copied in and back. So a layer whose
   output reads the state it writes (spectral normalisation's power iteration, a running statistic it
   divides by) recomputes what its forward computed (started from the state the forward left, it
   normalised by another estimate: gradients off by up to 95%), and BatchNorm's running statistics and
@@ -204,7 +206,7 @@ class _Step:
         # enters it only where one was set: the context is a torch-function mode, a Python call for every
         # torch call in the recomputation (6,500 a step for chen_sqrt on ResNet-152).
         default = torch.get_default_device()
-        self.default_device = torch.device(default) if default.type != "cpu" else contextlib.nullcontext()
+        self.default_device_mode = torch.device(default) if default.type != "cpu" else contextlib.nullcontext()
         self.rng = ({t.device for t in held}, _static(module).generators)
         for node in self.order:
             if node.op == "output":
@@ -447,7 +449,7 @@ class _Step:
         # makes several (``torch.linalg.qr``'s Q and R, ``var_mean``, values and indices) saves any of them.
         storages = {g: {} for g in groups if self.value_tokens.get(g)}
         ranks = {g: {} for g in storages}
-        with torch.no_grad(), _preserved_rng(self.rng), self.default_device, recomputing():
+        with torch.no_grad(), _preserved_rng(self.rng), self.default_device_mode, recomputing():
             for node in order:
                 load = lambda a: self._load(a, env)  # noqa: E731
                 if node.name in self.extra_nodes:
@@ -543,9 +545,8 @@ class _Step:
         written = written_state(self.traced.module, node, args, kwargs, self.buffer_ids, self.written,
                                 self.modules.get(node.target) if node.op == "call_module" else None)
         found = self.state_before.pop(node.name, [])
-        # A buffer the call reaches as itself (its module's, or an argument) reads the state as found by
-        # taking the copy's data for the call, which then writes into the copy: no kernel. One it reaches
-        # through a view made before the call would not see that, so it is copied in and back instead.
+        # The state as found: the copy's data swapped in, or copied in where a view made before the call reads
+        # the buffer (NOTE [replaying side effects]).
         views = {id(a.untyped_storage()) for a in tensors_of(args, kwargs) if all(a is not t for t in written)}
         swapped, copied = [], []
         with torch.no_grad():

@@ -10,6 +10,7 @@ import concurrent.futures
 import datetime
 import logging
 import multiprocessing
+import os
 import platform
 import subprocess
 import time
@@ -209,8 +210,12 @@ def _solve(row: dict, graph, static_bytes: int, zoo_options: dict):
 
 
 def _environment() -> dict:
-    return {"torch_version": torch.__version__, "git_commit": _git("rev-parse", "HEAD"),
-            "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+    # A copy of the tree whose .git is not its own (a GPU node sent the working tree, with a stale .git) is
+    # told its commit: HARNESS_GIT_COMMIT="<hash>" or "<hash> dirty" (results/gpu_lease.sh reads .whl/COMMIT).
+    told = os.environ.get("HARNESS_GIT_COMMIT", "").split()
+    commit, dirty = (told[0], told[1:] == ["dirty"]) if told else (
+        _git("rev-parse", "HEAD"), bool(_git("status", "--porcelain", "--untracked-files=no")))
+    return {"torch_version": torch.__version__, "git_commit": commit, "git_dirty": dirty,
             "hostname": platform.node(), "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat()}
 
 

@@ -33,6 +33,11 @@ if ls .whl/*.whl > /dev/null 2>&1; then
         && export PYTHONPATH=$PWD:/tmp/site
 fi
 exec > >(tee "$OUT/lease.log") 2>&1
+# The node's copy of .git is stale: the rows are told the commit the tree was sent at, written before the lease:
+#   git status --porcelain --untracked-files=no | grep -q . && D=' dirty'; echo "$(git rev-parse HEAD)$D" > .whl/COMMIT
+if [ -f .whl/COMMIT ]; then
+    export HARNESS_GIT_COMMIT=$(cat .whl/COMMIT)
+fi
 
 stage() {  # stage SECONDS COMMAND...: run it under a deadline, then end what its cells left running
     local seconds=$1

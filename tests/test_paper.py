@@ -89,6 +89,16 @@ def test_a_device_search_starts_from_metas_answer(monkeypatch, tmp_path):
     assert largest < meta["largest batch"] and probed[0] == meta["largest batch"] and len(probed) <= 3
 
 
+def test_a_search_replayed_over_rows_it_lacks_says_so(tmp_path):
+    """``--from-rows`` over a lease cut short: a search whose probes were not all run is a row that says which
+    is missing, and the rest of the table is drawn."""
+    max_batch.main([str(tmp_path / "mb"), "--nets", "vgg19", "--strategies", "vanilla", "--memory", "2GB",
+                    "--rows", str(tmp_path / "none"), "--from-rows"])
+    table = pd.read_csv(tmp_path / "mb.csv")
+    assert table["largest batch"].isna().all()
+    assert table["next batch"].str.startswith("not known: no row vgg19__vanilla__").all()
+
+
 def test_figure3_on_meta(tmp_path):
     figure3.main([str(tmp_path / "f3"), "--nets", "resnet50", "--batches", "2,4,8,16", "--memory", "1GB",
                   "--rows", str(tmp_path / "rows")])

@@ -79,6 +79,10 @@ def largest_batch(fits_at: Callable[[int], bool], guess: int, step: int | None =
     return low
 
 
+class MissingRow(LookupError):
+    """A search replayed over stored rows (``--from-rows``) needs a probe that was never run."""
+
+
 def stored_row(net: str, strategy: str, batch: int, device: str, budget: int | None, options: dict,
                rows_dir: Path, required: bool = True) -> dict | None:
     """The row a probe wrote earlier (``--from-rows``: a search re-read where its device is not at hand);
@@ -88,7 +92,7 @@ def stored_row(net: str, strategy: str, batch: int, device: str, budget: int | N
     if not path.exists():
         if not required:
             return None
-        raise SystemExit(f"--from-rows: no row {path}; run the search where device {device} is")
+        raise MissingRow(f"no row {path.name}: run the search where device {device} is")
     return read_row(path)
 
 
@@ -162,8 +166,24 @@ def search(net: str, strategy: str, options: dict, memory: int, device: str, row
     best = probes.get(batch)
     return {"net": net, "strategy": label(strategy, options), "memory GB": memory / 1e9, "largest batch": batch,
             "peak GB there": best["measured_peak_bytes"] / 1e9 if best else float("nan"),
+            "device reserve GB there": (best.get("device_reserve_bytes") or 0) / 1e9 if best else float("nan"),
             "next batch": _why_not(probes.get(batch + 1), memory),
             "probes": len(probes), "paper batch": spec.batch_size, "device": device}
+
+
+def replayed(net: str, strategy: str, options: dict, memory: int, args, progress: tqdm) -> dict:
+    """``search``'s row; replayed over stored rows (``--from-rows``), a search whose probes were not all run (a
+    lease cut short) is a row that says so, and the table is drawn from the rest."""
+    try:
+        return search(net, strategy, options, memory, args.device, args.rows, progress, args.from_rows,
+                      args.guess_from, args.timed_steps)
+    except MissingRow as missing:
+        if not args.from_rows:
+            raise
+        return {"net": net, "strategy": label(strategy, options), "memory GB": memory / 1e9,
+                "largest batch": float("nan"), "peak GB there": float("nan"), "device reserve GB there": float("nan"),
+                "next batch": f"not known: {missing}",
+                "probes": float("nan"), "paper batch": nets.spec(net).batch_size, "device": args.device}
 
 
 def _why_not(row: dict | None, memory: int) -> str:
@@ -199,9 +219,9 @@ def main(argv=None) -> None:
     cells = [(net, strategy, options, memory) for memory in memories for net in args.nets.split(",")
              for strategy, options in STRATEGIES if strategy in chosen]
     progress = tqdm(cells, desc="largest batch")
-    table = pd.DataFrame([search(net, strategy, options, memory, args.device, args.rows, progress, args.from_rows,
-                                 args.guess_from, args.timed_steps)
-                          for net, strategy, options, memory in progress])
+    table = pd.DataFrame([replayed(net, strategy, options, memory, args, progress) for net, strategy, options, memory
+                          in progress])
+    table[["largest batch", "probes"]] = table[["largest batch", "probes"]].astype("Int64")  # NaN: not known
     command = "python -m harness.bench.max_batch " + " ".join(argv if argv is not None else sys.argv[1:])
     measured = [r for r in _rows_of(args.rows, args.device) if r.get("device_name")]
     device_name = ("meta (the tracker's live bytes)" if args.device == "meta"
