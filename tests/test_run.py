@@ -60,6 +60,8 @@ def test_a_run_writes_one_row(tmp_path):
     assert row["step_time_ms"] is None and row["paper_node_count"] == 176 and row["git_commit"] is not None
     table = load_results(tmp_path)
     assert len(table) == 1 and table.loc[0, "net"] == "resnet50"
+    # Rows follow the umask (mkstemp alone makes 0600, unreadable to teammates on a shared file system).
+    assert os.stat(row["row_path"]).st_mode & 0o777 == 0o666 & ~umask()
 
 
 def test_a_copy_whose_git_is_stale_is_told_its_commit(monkeypatch):
@@ -72,8 +74,6 @@ def test_a_copy_whose_git_is_stale_is_told_its_commit(monkeypatch):
         monkeypatch.setenv("HARNESS_GIT_COMMIT", told)
         row = cell_row("resnet50", "vanilla")
         assert (row["git_commit"], row["git_dirty"]) == ("0123abc", dirty)
-    # Rows follow the umask (mkstemp alone makes 0600, unreadable to teammates on a shared file system).
-    assert os.stat(row["row_path"]).st_mode & 0o777 == 0o666 & ~umask()
 
 
 def test_an_unmeetable_budget_is_an_infeasible_row(tmp_path):
