@@ -702,7 +702,9 @@ def _static(module: fx.GraphModule) -> SimpleNamespace:
     """What a traced module's steps share, found at its first: its modules by name, and ``generators_of(it)``
     (each a walk over every module, or every call's arguments: milliseconds of host time a step)."""
     if module not in _STATIC:
-        _STATIC[module] = SimpleNamespace(modules=dict(module.named_modules()), generators=generators_of(module))
+        # the root is left out: a value that held its key would keep the module, and its weights, forever
+        _STATIC[module] = SimpleNamespace(modules={name: m for name, m in module.named_modules() if name},
+                                          generators=generators_of(module))
     return _STATIC[module]
 
 

@@ -170,6 +170,22 @@ def test_a_failed_step_leaves_nothing_alive(strategy):
     assert outputs and all(ref() is None for ref in outputs)
 
 
+def test_a_traced_model_that_is_gone_is_not_kept_by_the_executor():
+    """What the executor keeps across a traced module's steps (its modules by name, its generators) goes with
+    it: a sweep that runs cell after cell in one process would otherwise keep every model's weights."""
+    import gc
+    import weakref
+
+    model = SkipToOutput().train()
+    x = torch.randn(2, 3, 8, 8)
+    traced = trace(model, x)
+    execute(traced, strategies.solve("chen_sqrt", traced.graph), x)
+    gone = weakref.ref(traced.module), weakref.ref(model.stem.weight)
+    del model, traced
+    gc.collect()
+    assert all(ref() is None for ref in gone)
+
+
 class TwoHeads(nn.Module):
     """A main head, and an auxiliary one the loss leaves out (an Inception's auxiliary logits at weight 0)."""
 
