@@ -4,8 +4,8 @@
 # wheels of hydra-core, omegaconf, antlr4-python3-runtime and segmentation-models-pytorch in .whl/ (README, "A
 # GPU node that reaches no package registry"). The stages, in this order (all of them when none is named):
 #   profile    where eager recomputation's time goes (harness.bench.profile_step): ResNet-152 at batch 128,
-#              vanilla, approx_dp (tc) at 6.0 GB (with its Chrome trace, gzipped) and chen_sqrt, eager (on the
-#              H200, 137 and 305 ms for 1.20x the FLOPs).
+#              approx_dp (tc) at 6.0 GB (with its Chrome trace, gzipped), chen_sqrt and vanilla, eager (on the
+#              H200 host-bound: the GPU busy 49%, 53% once stop 39 cut the executor's host work).
 #   figure3    Figure 3's claim: vanilla up to the first batch that does not fit 11.4 GB, then approx_dp (tc)
 #              and chen_sqrt at twice vanilla's largest batch (ResNet-152, PSPNet).
 #   max_batch  the largest batch in 80 GB of chen_sqrt and approx_dp (tc, mc) on ResNet-50 and ResNet-152, each
