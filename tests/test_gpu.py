@@ -58,15 +58,18 @@ def test_a_budget_holds_on_cuda_and_the_row_says_what_the_device_adds():
 
 
 class CudaDraws(nn.Module):
-    """Draws from the CUDA device's generator (dropout, ``torch.rand``, ``F.dropout``) between BatchNorm layers.
-    (A generator of the model's own is not here: torch 2.11's fx cannot trace a ``torch.Generator`` argument;
-    ``test_draws_on_no_traced_value_are_drawn_every_step_and_replayed`` has one, on the cpu.)"""
+    """Draws from the CUDA device's generator (dropout, ``torch.rand``, ``F.dropout``) between BatchNorm layers,
+    and holds a CUDA generator of its own, whose state the executor takes and sets too. It does not draw from
+    it: on the H200's torch 2.11, fx refused that generator as a call's argument ("argument of type
+    Generator"); ``test_draws_on_no_traced_value_are_drawn_every_step_and_replayed`` draws from a model's own
+    generator, on the cpu."""
 
     def __init__(self):
         super().__init__()
         self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
         self.norm_a, self.norm_b = nn.BatchNorm1d(64), nn.BatchNorm1d(64)
         self.drop = nn.Dropout(0.5)
+        self.generator = torch.Generator("cuda").manual_seed(1)
 
     def forward(self, x):
         h = self.drop(torch.relu(self.norm_a(self.a(x))))
