@@ -81,6 +81,9 @@ from strategies.simulate import called_for
 
 
 
+RECOMPUTE_EVENT = "harness::recompute"  # what a profile calls a stage's recomputation (bench.profile_step)
+
+
 def execute(traced: Traced, plan: Plan, *inputs: torch.Tensor, loss_fn=None) -> torch.Tensor:
     """One training step of ``traced`` under ``plan``; returns the (detached) loss (``loss_fn`` defaults to
     the sum of every tensor the model returns)."""
@@ -375,7 +378,8 @@ class _Step:
             return self._swapped_in(saved)
         g = saved.group
         if g not in self.recomputed:
-            self._recompute_stage(self.stage_of[g])
+            with torch.profiler.record_function(RECOMPUTE_EVENT):
+                self._recompute_stage(self.stage_of[g])
         if saved.extra is not None:
             value = self.extras.pop(saved.extra)
         else:

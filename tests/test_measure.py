@@ -90,6 +90,8 @@ def test_a_profile_says_where_a_steps_time_goes(tmp_path):
         parts = figures[strategy]
         assert 0 < parts["host ms in ATen ops"] <= 1.05 * parts["wall ms per step"]  # no op counted twice
         assert parts["wall ms per step, unprofiled"] > 0
+        assert (parts["host ms recomputing (in the backward)"] > 0) == (strategy == "chen_sqrt")
+        assert parts["host ms recomputing (in the backward)"] < parts["wall ms per step"]
     assert figures["chen_sqrt"]["ATen op calls per step"] > figures["vanilla"]["ATen op calls per step"]
     with pytest.raises(SystemExit):  # meta has no time to profile
         profile_step.main([str(tmp_path / "meta"), "vgg19", "vanilla", "--device", "meta"])

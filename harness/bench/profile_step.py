@@ -3,9 +3,10 @@
 
 Builds the cell as ``run_cell`` does (``harness.run.build_cell``), runs ``--warmup`` steps, then ``--steps``
 steps unprofiled, then ``--steps`` steps under ``torch.profiler``, and writes ``OUT_STEM.md``: the step's wall
-time, unprofiled and profiled (the profiler's own cost is the difference); the host time spent inside ATen ops
-(dispatch and, on cuda, kernel launches; on cpu the compute too) and the rest, which is Python (the executor's
-and the model's); on cuda the time the GPU ran kernels, as a fraction of the wall time (well below 1: the GPU
+time, unprofiled and profiled (the profiler's own cost is the difference); the host time the executor's
+recomputations took in the backward (``RECOMPUTE_EVENT``: their ops and their Python); the host time spent
+inside ATen ops (dispatch and, on cuda, kernel launches; on cpu the compute too) and the rest, which is Python
+(the executor's and the model's); on cuda the time the GPU ran kernels, as a fraction of the wall time (well below 1: the GPU
 waited on the host), and the CUDA runtime calls that make the host wait (synchronizations, ``cudaMalloc`` and
 ``cudaFree``); and the ops by self time on the host and on the device, per step. ``OUT_STEM.csv`` holds every
 op. ``--trace`` also writes the profiler's Chrome trace, ``OUT_STEM.json``. Nothing is measured on ``meta``
@@ -25,6 +26,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from harness.execute import RECOMPUTE_EVENT
 from harness.measure import clear_grads
 from harness.run import build_cell, cell_row
 
@@ -50,15 +52,16 @@ def profile_cell(cell, device: str, warmup: int, steps: int, trace_path: Path | 
     if trace_path is not None:
         prof.export_chrome_trace(str(trace_path))
     events = prof.key_averages()
-    host = [e for e in events if e.device_type == DeviceType.CPU]
+    host = [e for e in events if e.device_type == DeviceType.CPU and e.key != RECOMPUTE_EVENT]  # ops only
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     ops = pd.DataFrame([{"op": e.key, "calls per step": e.count / steps,
                          "host self ms": e.self_cpu_time_total / 1e3 / steps,
                          "device self ms": e.self_device_time_total / 1e3 / steps if device == "cuda" else None}
                         for e in host])
     in_ops_ms = ops["host self ms"].sum()
+    recomputing_ms = sum(e.cpu_time_total for e in events if e.key == RECOMPUTE_EVENT) / 1e3 / steps
     figures = {"wall ms per step, unprofiled": unprofiled_ms, "wall ms per step": wall_ms,
-               "host ms in ATen ops": in_ops_ms,
+               "host ms recomputing (in the backward)": recomputing_ms, "host ms in ATen ops": in_ops_ms,
                "host ms outside them (Python)": max(0.0, wall_ms - in_ops_ms),
                "ATen op calls per step": ops[~ops["op"].str.startswith("cuda")]["calls per step"].sum()}
     if device == "cuda":
