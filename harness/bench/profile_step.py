@@ -1,16 +1,16 @@
 """Where one training step's time goes: ``python -m harness.bench.profile_step OUT_STEM NET STRATEGY [--budget
 6GB] [--device cuda] [--compile]``.
 
-Builds the cell as ``run_cell`` does (``harness.run.build_cell``), runs ``--warmup`` steps, then ``--steps``
-steps unprofiled, then ``--steps`` steps under ``torch.profiler``, and writes ``OUT_STEM.md``: the step's wall
-time, unprofiled and profiled (the profiler's own cost is the difference); the host time the executor's
-recomputations took in the backward (``RECOMPUTE_EVENT``: their ops and their Python); the host time spent
-inside ATen ops (dispatch and, on cuda, kernel launches; on cpu the compute too) and the rest, which is Python
-(the executor's and the model's); on cuda the time the GPU ran kernels, as a fraction of the wall time (well
-below 1: the GPU waited on the host), and the CUDA runtime calls that make the host wait (synchronizations,
-``cudaMalloc`` and ``cudaFree``); and the ops by self time on the host and on the device, per step. ``OUT_STEM.csv`` holds every
-op. ``--trace`` also writes the profiler's Chrome trace, ``OUT_STEM.json``. Nothing is measured on ``meta``
-(there is no time to profile): use ``cpu`` or ``cuda``.
+Builds the cell as ``run_cell`` does (``harness.run.build_cell``), runs ``--warmup`` steps, then ``--steps`` steps
+unprofiled, then ``--steps`` steps under ``torch.profiler``, and writes ``OUT_STEM.md``: the step's wall time,
+unprofiled and profiled (the profiler's own cost is the difference); the host time the executor's recomputations
+took in the backward (``RECOMPUTE_EVENT``: their ops and their Python); the host time spent inside ATen ops
+(dispatch and, on cuda, kernel launches; on cpu the compute too) and the rest, which is Python (the executor's and
+the model's); on cuda the time the GPU ran kernels, as a fraction of the wall time (well below 1: the GPU waited on
+the host), and the CUDA runtime calls that make the host wait (synchronizations, ``cudaMalloc`` and ``cudaFree``);
+and the ops by self time on the host and on the device, per step. ``OUT_STEM.csv`` holds every op. ``--trace`` also
+writes the profiler's Chrome trace, ``OUT_STEM.json``. Nothing is measured on ``meta`` (there is no time to
+profile): use ``cpu`` or ``cuda``.
 """
 
 from __future__ import annotations
