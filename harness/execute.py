@@ -534,8 +534,7 @@ class _Step:
         [replaying side effects])."""
         if not recompute and node.name in self.recomputable:
             before = rng_state(self.rng)
-            written = written_state(self.traced.module, node, args, kwargs, self.buffer_ids, self.written,
-                                    self.modules.get(node.target) if node.op == "call_module" else None)
+            written = self._written(node, args, kwargs)
             if written:  # the state as this call finds it, for the recomputation to start from
                 self.state_before[node.name] = [t.detach().clone() for t in written]
             value = self._call(node, args, kwargs)
@@ -546,8 +545,9 @@ class _Step:
             return self._call(node, args, kwargs)
         if node.name in self.rng_states:
             set_rng_state(self.rng_states[node.name])
-        written = written_state(self.traced.module, node, args, kwargs, self.buffer_ids, self.written,
-                                self.modules.get(node.target) if node.op == "call_module" else None)
+        written = self._written(node, args, kwargs)
+        if not written:
+            return self._call(node, args, kwargs)
         found = self.state_before.pop(node.name, [])
         # The state as found: the copy's data swapped in, or copied in where a view made before the call reads
         # the buffer (NOTE [replaying side effects]).
@@ -569,6 +569,10 @@ class _Step:
             for t, old in swapped:
                 t.data = old
         return value
+
+    def _written(self, node: fx.Node, args, kwargs) -> list[torch.Tensor]:
+        module = self.modules[node.target] if node.op == "call_module" else None
+        return written_state(self.traced.module, node, args, kwargs, self.buffer_ids, self.written, module)
 
     def _call(self, node: fx.Node, args, kwargs):
         if node.op == "get_attr":

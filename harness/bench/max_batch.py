@@ -163,12 +163,18 @@ def search(net: str, strategy: str, options: dict, memory: int, device: str, row
             per_sample = max(1, (first["measured_peak_bytes"] - fixed) / spec.batch_size)
             guess = max(1, int((memory - fixed) / per_sample))
     batch = largest_batch(fits_at, guess, step)
-    best = probes.get(batch)
+    return _search_row(net, strategy, options, memory, device, batch, probes.get(batch),
+                       _why_not(probes.get(batch + 1), memory), len(probes))
+
+
+def _search_row(net: str, strategy: str, options: dict, memory: int, device: str, batch=float("nan"),
+                best: dict | None = None, next_batch: str = "", probes=float("nan")) -> dict:
+    """A search's row in the table: its answer ``batch``, the probe's row there (``best``), why one more does
+    not fit; NaN where the search is not known."""
     return {"net": net, "strategy": label(strategy, options), "memory GB": memory / 1e9, "largest batch": batch,
             "peak GB there": best["measured_peak_bytes"] / 1e9 if best else float("nan"),
             "device reserve GB there": (best.get("device_reserve_bytes") or 0) / 1e9 if best else float("nan"),
-            "next batch": _why_not(probes.get(batch + 1), memory),
-            "probes": len(probes), "paper batch": spec.batch_size, "device": device}
+            "next batch": next_batch, "probes": probes, "paper batch": nets.spec(net).batch_size, "device": device}
 
 
 def replayed(net: str, strategy: str, options: dict, memory: int, args, progress: tqdm) -> dict:
@@ -180,10 +186,7 @@ def replayed(net: str, strategy: str, options: dict, memory: int, args, progress
     except MissingRow as missing:
         if not args.from_rows:
             raise
-        return {"net": net, "strategy": label(strategy, options), "memory GB": memory / 1e9,
-                "largest batch": float("nan"), "peak GB there": float("nan"), "device reserve GB there": float("nan"),
-                "next batch": f"not known: {missing}",
-                "probes": float("nan"), "paper batch": nets.spec(net).batch_size, "device": args.device}
+        return _search_row(net, strategy, options, memory, args.device, next_batch=f"not known: {missing}")
 
 
 def _why_not(row: dict | None, memory: int) -> str:
