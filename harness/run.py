@@ -27,7 +27,7 @@ from harness.compiled import plan_step as compiled_plan_step
 from harness.execute import execute
 from harness.measure import check_device, measure
 from harness.results import SCHEMA_VERSION, cell_name, read_row, write_row
-from harness.trace import COST_MODELS, trace
+from harness.trace import check_cost_model, trace
 from strategies.simulate import step_flops
 
 log = logging.getLogger(__name__)
@@ -94,8 +94,7 @@ def cell_row(net: str, strategy: str, *, batch_size: int | None = None, image_si
     strategies.module(strategy)
     check_device(device)
     nets.check_dtype(dtype)
-    if cost_model not in COST_MODELS:
-        raise ValueError(f"unknown cost_model {cost_model!r}; valid: {', '.join(COST_MODELS)}")
+    check_cost_model(cost_model, device)
     row = {
         "schema_version": SCHEMA_VERSION, "net": net, "strategy": strategy,
         "batch_size": spec.batch_size if batch_size is None else batch_size,
@@ -261,7 +260,8 @@ def summary(row: dict, tokens: bool = False) -> str:
         measured_part + time_part,
         (f"  predicted peak {_gb(row['predicted_peak_bytes'])} (without liveness "
          f"{_gb(row['predicted_peak_no_liveness_bytes'])}); overhead {row['predicted_overhead_cost']:g} of "
-         f"{row['total_cost']:g} cost units; {row['stage_count']} stage(s), {row['recomputed_node_count']} recomputed"
+         f"{row['total_cost']:g} {'forward ms' if row.get('cost_model') == 'measured' else 'cost units'}; "
+         f"{row['stage_count']} stage(s), {row['recomputed_node_count']} recomputed"
          if row.get("predicted_peak_bytes") is not None
          else "  predicted: none (the plan is made out of the IR's sight)"),
         f"  graph: {row['node_count']} IR nodes from {row['layer_count']} layers (paper #V {row['paper_node_count']}); "

@@ -254,6 +254,20 @@ code, a stray ``zeros_like``) goes as soon as it is made. Replayed as if their b
 an auxiliary head's parameters and of its input, what it saved held into the backward pass), and run with
 what it saved held to the step's end, an auxiliary head's step was predicted from 10% low (vanilla) to
 15% high (``chen_greedy``; ``tests/test_accounting.py``).
+
+NOTE [measured costs]
+Seed 004 weighs a convolution as 10 and any other layer as 1 (``cost_model=paper``); FLOPs weigh a
+BatchNorm or a ReLU as nearly free, though on a GPU they take memory bandwidth and, eagerly, a launch each.
+``cost_model=measured`` gives each IR node the time its members take to run, in milliseconds, on the
+device the cell runs on: the traced program runs under ``torch.no_grad`` (as a recomputation does,
+``harness/execute.py``), each fx node timed alone (on CUDA between synchronisations, so its launches
+count, as they do in an eager recomputation), the median of three runs after a warm-up. The timing runs
+leave the model as they found it: every buffer written (running statistics) is put back, by tensor and
+value, and so is every generator the program draws from. What the time-centric DPs then minimise, and
+the row's ``predicted_overhead_cost``, is the forward time a plan recomputes, in milliseconds. Each cell
+times its layers again, so two runs of a cell may choose different plans where two cost nearly the same. The
+times are eager; a compiled step fuses what it recomputes with the backward (``harness/compiled.py``),
+where a BatchNorm's or a ReLU's recomputation is nearly free. Meta holds no values to time: refused there.
 """
 
 from __future__ import annotations
@@ -268,7 +282,9 @@ import itertools
 import operator
 import random
 import re
+import statistics
 import sys
+import time
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -284,7 +300,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from harness.nets import sum_loss
 from strategies import Graph
 
-COST_MODELS = ("paper", "flops")
+COST_MODELS = ("paper", "flops", "measured")
 _CONV_TYPES = (torch.nn.modules.conv._ConvNd,)
 _CONV_FUNCTIONS = {torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d}
 
@@ -353,8 +369,7 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
     """Trace ``model`` on ``example_input`` into a ``Traced`` (see NOTE [nodes are storages]); the graph's
     ``loss_bytes`` and ``loss_held_bytes`` are what ``loss_fn`` (default: the executor's, the sum of the
     outputs) holds beside the outputs and their gradients, measured on meta."""
-    if cost_model not in COST_MODELS:
-        raise ValueError(f"unknown cost_model {cost_model!r}; valid: {', '.join(COST_MODELS)}")
+    check_cost_model(cost_model, example_input.device.type)
     gm = _symbolic_trace(model, example_input)
     # On meta, a tensor the program makes without naming a device (``torch.randn(8)``) is made on meta too.
     with torch.device("meta"), _attention_as_on(example_input.device, gm):
@@ -405,7 +420,52 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: str =
             return None if g is None else traced.group_of[probe.groups[g]["final"].name]
 
         loss = _loss_fields(output, loss_fn, node_of, len(traced.graph))
-    return dataclasses.replace(traced, graph=traced.graph.replace(**loss))
+    traced = dataclasses.replace(traced, graph=traced.graph.replace(**loss))
+    if cost_model == "measured":  # on the example's device, outside the trace's default device (meta)
+        traced = dataclasses.replace(traced, graph=traced.graph.replace(cost=measured_costs(traced, example_input)))
+    return traced
+
+
+def check_cost_model(cost_model: str, device: str) -> None:
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"unknown cost_model {cost_model!r}; valid: {', '.join(COST_MODELS)}")
+    if cost_model == "measured" and device == "meta":
+        raise ValueError("cost_model=measured times every layer on the device, and meta holds no values to time: "
+                         "use device=cpu or device=cuda, or cost_model=paper or flops on meta")
+
+
+def measured_costs(traced: Traced, example_input: torch.Tensor, repeats: int = 3) -> list[float]:
+    """Each IR node's forward time in milliseconds on the example's device (NOTE [measured costs])."""
+    module, device = traced.module, example_input.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {}
+
+    class Timed(fx.Interpreter):
+        def run_node(self, node):
+            if node.op in ("placeholder", "get_attr", "output"):
+                return super().run_node(node)
+            sync()
+            start = time.perf_counter()
+            result = super().run_node(node)
+            sync()
+            times.setdefault(node.name, []).append(time.perf_counter() - start)
+            return result
+
+    state = [(m, name, b, b.clone()) for m in module.modules() for name, b in m.named_buffers(recurse=False)]
+    rng = rng_state(({device}, generators_of(module)))
+    try:
+        with torch.no_grad():
+            for _ in range(1 + repeats):  # the first warms up (allocator, cuDNN's choice of algorithm)
+                Timed(module).run(example_input.clone())
+    finally:
+        set_rng_state(rng)
+        with torch.no_grad():
+            for m, name, buffer, value in state:
+                setattr(m, name, buffer)  # a layer may have assigned a new tensor rather than written this one
+                buffer.copy_(value)
+    # The median of the timed runs (the warm-up's time is left out), summed over an IR node's members.
+    return [sum(1e3 * statistics.median(times[name][1:]) for name in names if name in times)
+            for names in traced.members]
 
 
 def _gradients(probe: "_Probe", output, loss_fn) -> tuple[dict, dict, dict, set[int] | None, set[tuple[int, int]]]:

@@ -12,6 +12,8 @@
 #              search starting from meta's answer (results/rows_max_batch_meta), its probes memory-only.
 #   frontier   ResNet-152 at batch 128: vanilla eager and compiled, approx_dp (tc) eager and compiled at 6.0,
 #              8.6 and 12.8 GB (issue 16's goals; DP_BUDGETS=6.0GB for fewer).
+#   cost       what a cost model of measured layer times changes (harness.bench.cost_models): ResNet-152 at batch
+#              128, approx_dp (tc) at 3 budgets under the paper's, the FLOPs' and the measured costs, eager.
 #   peer       the compile peer's ratios on ResNet-152 at batch 128 (RATIOS, default 0.5,0.2,0,0.8,1).
 #   tests      the tests marked gpu (GPU_TESTS: which files or tests).
 # Each stage has a deadline; every cell writes its row as it ends and a later run resumes from the rows there,
@@ -59,7 +61,7 @@ if [ "$DEVICE" = cuda ] && [ "$CARD" = "NVIDIA H200" ]; then
         find "$ROWS" -name '*__cuda.json' -delete  # the compiled rows end in __cuda__compiled.json
     fi
 fi
-STAGES=${*:-profile figure3 max_batch frontier peer tests}
+STAGES=${*:-profile figure3 max_batch frontier cost peer tests}
 FR="python3 -m harness.bench.frontier --device $DEVICE --nets resnet152 --timed-steps 10 --rows $ROWS/frontier"
 for name in $STAGES; do
     case $name in
@@ -80,13 +82,16 @@ for name in $STAGES; do
             --timed-steps 0 --rows $ROWS/max_batch" ;;
     frontier)
         stage 240 "$FR $WORK/fra --strategies approx_dp --dp-budgets ${DP_BUDGETS:-6.0GB,8.6GB,12.8GB}" ;;
+    cost)
+        stage 200 "python3 -m harness.bench.cost_models $WORK/cost_models_cuda --device cuda --points 3 \
+            --rows $ROWS/cost_models" ;;
     peer)
         stage 460 "$FR $WORK/frp --strategies torch_compile_budget --ratios ${RATIOS:-0.5,0.2,0,0.8,1}" ;;
     tests)
         stage 130 "python3 -m pytest -q -p no:cacheprovider -m gpu \
             ${GPU_TESTS:-tests/test_measure.py tests/test_swap.py tests/test_gpu.py}" ;;
     *)
-        echo "unknown stage $name; valid: profile figure3 max_batch frontier peer tests"
+        echo "unknown stage $name; valid: profile figure3 max_batch frontier cost peer tests"
         exit 2 ;;
     esac
 done

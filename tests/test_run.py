@@ -96,7 +96,8 @@ def test_resume_skips_finished_cells(tmp_path):
     (dict(net="resnet50", strategy="vanilla", device="tpu"), ValueError, "valid devices"),
     (dict(net="resnet50", strategy="vanilla", batch_size=0), ValueError, "at least 1"),
     (dict(net="resnet50", strategy="vanilla", budget="lots"), ValueError, "malformed budget"),
-    (dict(net="resnet50", strategy="vanilla", cost_model="seconds"), ValueError, "valid: paper, flops"),
+    (dict(net="resnet50", strategy="vanilla", cost_model="seconds"), ValueError, "valid: paper, flops, measured"),
+    (dict(net="resnet50", strategy="vanilla", cost_model="measured"), ValueError, "use device=cpu or device=cuda"),
 ])
 def test_bad_input_is_refused_before_anything_runs(kwargs, error, message):
     with pytest.raises(error, match=message):

@@ -32,6 +32,34 @@ def test_flop_cost_model():
         trace(model, torch.randn(3, 8), cost_model="seconds")
 
 
+def test_measured_cost_model_times_each_layer_and_leaves_the_model_as_it_was():
+    # NOTE [measured costs]: the timing runs write running statistics and draw dropout masks, from the default
+    # generator and from one the model holds; all of it is put back, so the step that follows starts where
+    # plain PyTorch's would.
+    class OwnDraw(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.generator = torch.Generator().manual_seed(1)
+
+        def forward(self, x):
+            return x + torch.rand(x.shape, generator=self.generator)
+
+    model = nn.Sequential(nn.Conv2d(16, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.Dropout(0.5),
+                          OwnDraw(), nn.Conv2d(64, 64, 3, padding=1))
+    x = torch.randn(8, 16, 64, 64)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    rng, own = torch.get_rng_state(), model[4].generator.get_state()
+    traced = trace(model, x, cost_model="measured")
+    assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng) and torch.equal(model[4].generator.get_state(), own)
+    cost = dict(zip((members[0] for members in traced.members), traced.graph.cost))
+    assert all(c > 0 for c in cost.values()), cost
+    # milliseconds: a 3x3 convolution over 64 channels (2.4 GFLOP) takes far longer than a ReLU over its output
+    assert cost["_5"] > 3 * cost["_2"], cost
+    with pytest.raises(ValueError, match="meta holds no values to time"):
+        trace(model.to("meta"), x.to("meta"), cost_model="measured")
+
+
 def test_an_untraceable_module_names_the_failing_call():
     class Branchy(nn.Module):
         def forward(self, x):
@@ -62,3 +90,33 @@ def test_zoo_bad_input():
         nets.build("resnet50", batch_size=0)
     with pytest.raises(ValueError, match="pspnet needs an image side that is a multiple of 8"):
         nets.build("pspnet", image_size=713)
+
+
+def test_the_cost_model_benchmark_runs_each_plan_and_reads_it_back(tmp_path):
+    """``harness.bench.cost_models`` on cpu: approx_dp's plan under each cost model at each budget, run and
+    timed; the measured model's rows hold layer times in milliseconds, and its predicted step is vanilla's
+    plus what it recomputes; the table drawn again from the rows alone is the same."""
+    import pandas as pd
+
+    from harness.bench import cost_models
+    from harness.results import load_results
+
+    args = [str(tmp_path / "c"), "--net", "resnet50", "--batch", "2", "--side", "32", "--points", "2",
+            "--cost-models", "paper,measured", "--timed-steps", "1", "--rows", str(tmp_path / "rows")]
+    cost_models.main(args)
+    table = pd.read_csv(tmp_path / "c.csv")
+    assert list(table["cost model"]) == ["paper", "measured"] * 2 and (table.status == "ok").all()
+    assert (table["peak GB"] <= table["budget GB"] * 1.001).all()  # each within its budget (the tracker's figure)
+    rows = load_results(tmp_path / "rows")
+    measured = rows[(rows.cost_model == "measured") & (rows.status == "ok")]
+    vanilla = rows[rows.strategy == "vanilla"].iloc[0]
+    assert len(measured) == 2 and (measured.total_cost > 0).all()
+    assert (table[table["cost model"] == "measured"]["predicted ms"] >= vanilla.step_time_ms).all()
+    assert table[table["cost model"] == "paper"]["predicted ms"].isna().all()
+    text = (tmp_path / "c.md").read_text()
+    assert text.count("- at ") == 2 and ", eager" in text
+    assert (tmp_path / "c.png").stat().st_size > 10_000
+    cost_models.main([str(tmp_path / "again"), *args[1:], "--from-rows"])
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "again.csv"), table)
+    with pytest.raises(SystemExit, match="valid: paper, flops, measured"):
+        cost_models.main([str(tmp_path / "bad"), "--cost-models", "seconds"])

@@ -108,16 +108,19 @@ def plot(table: pd.DataFrame, net: str, memory: int, device: str, device_name: s
     line = group.drop_duplicates("batch").sort_values("batch")
     if line["vanilla line"].notna().any():
         ax.plot(line.batch, line["vanilla line"], "k--", linewidth=1, label="vanilla, extrapolated (linear)")
-    ax.set_xlabel("batch size")
-    ax.set_ylabel(axis_label)
-    ax.set_title(f"{net}: step time against batch size within {memory / 1e9:g} GB\n{device_name}", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    save_figure(fig, caption, path)
+    save_figure(fig, caption, path, ax, ("batch size", axis_label),
+                f"{net}: step time against batch size within {memory / 1e9:g} GB\n{device_name}")
 
 
-def save_figure(fig, caption: str, path: Path) -> None:
-    """Write ``fig`` as a PNG with ``caption`` (the command that made it) in small print at its foot."""
+def save_figure(fig, caption: str, path: Path, ax=None, labels=("", ""), title="", legend_size=8) -> None:
+    """Write ``fig`` as a PNG with ``caption`` (the command that made it) in small print at its foot; ``ax``
+    given, with its axes' ``labels`` (x, y), ``title``, a light grid and the legend."""
+    if ax is not None:
+        ax.set_xlabel(labels[0])
+        ax.set_ylabel(labels[1])
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=legend_size, loc="best")
     fig.text(0.01, 0.01, caption, fontsize=6, color="0.4")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=120)

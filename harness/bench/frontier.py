@@ -169,13 +169,8 @@ def plot(table: pd.DataFrame, net: str, device: str, where: str, caption: str, p
                    label=f"{strategy}, {'compiled' if compiled else 'eager'}", color=f"C{k % 10}")
     front = group[group.pareto].sort_values("peak GB")
     ax.step(front["peak GB"], front.time, where="post", color="k", linewidth=1, label="Pareto front")
-    ax.set_xlabel("measured peak (GB)")
-    ax.set_ylabel(axis_label)
-    ax.set_title(f"{net}: memory against time, every strategy (hollow: eager, filled: compiled)\n{where}",
-                 fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-    save_figure(fig, caption, path)
+    save_figure(fig, caption, path, ax, ("measured peak (GB)", axis_label),
+                f"{net}: memory against time, every strategy (hollow: eager, filled: compiled)\n{where}", legend_size=7)
 
 
 def main(argv=None) -> None:
