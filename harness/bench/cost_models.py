@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from harness import nets  # noqa: E402
 from harness.bench.figure3 import save_figure  # noqa: E402
 from harness.results import read_row, stored_path  # noqa: E402
 from harness.run import run_cell  # noqa: E402
@@ -111,7 +112,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     net, batch, side = SIZES[args.device]
     args.net = args.net or net
-    args.batch, args.side = (args.batch or batch, args.side or side) if args.net == net else (args.batch, args.side)
+    if args.net != net:  # the net's own sizes (seed 004's), named so that --from-rows finds its rows
+        batch, side = nets.spec(args.net).batch_size, nets.spec(args.net).image_size
+    args.batch, args.side = args.batch or batch, args.side or side
     cost_models = args.cost_models.split(",")
     if unknown := sorted(set(cost_models) - set(COST_MODELS)):
         raise SystemExit(f"unknown cost models {', '.join(unknown)}; valid: {', '.join(COST_MODELS)}")
