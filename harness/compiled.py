@@ -74,7 +74,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from harness.measure import MemoryTracker, clear_grads
-from harness.trace import Traced, generators_of, rng_state, set_rng_state
+from harness.trace import Traced, generators_of, state_kept
 from strategies import Inapplicable, Plan
 
 
@@ -283,19 +283,14 @@ def compiled_step(forward, model: nn.Module, example_input: torch.Tensor, loss_f
         return loss.detach()
 
     # The compiling step must not count as a step: its buffer writes and its draws are undone.
-    buffers = [b.clone() for b in model.buffers()]
     programs = [model, forward] if isinstance(forward, nn.Module) else [model]  # forward: a module or a function
     rng = ({example_input.device}, [g for program in programs for g in generators_of(program)])
-    drawn_from = rng_state(rng)
-    start = time.perf_counter()
-    run()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    run.compile_time_s = time.perf_counter() - start
-    with torch.no_grad():
-        for buffer, value in zip(model.buffers(), buffers):
-            buffer.copy_(value)
-    set_rng_state(drawn_from)
+    with state_kept(model, rng):
+        start = time.perf_counter()
+        run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        run.compile_time_s = time.perf_counter() - start
     clear_grads(model)
     return run
 

@@ -451,18 +451,9 @@ def measured_costs(traced: Traced, example_input: torch.Tensor, repeats: int = 3
             times.setdefault(node.name, []).append(time.perf_counter() - start)
             return result
 
-    state = [(m, name, b, b.clone()) for m in module.modules() for name, b in m.named_buffers(recurse=False)]
-    rng = rng_state(({device}, generators_of(module)))
-    try:
-        with torch.no_grad():
-            for _ in range(1 + repeats):  # the first warms up (allocator, cuDNN's choice of algorithm)
-                Timed(module).run(example_input.clone())
-    finally:
-        set_rng_state(rng)
-        with torch.no_grad():
-            for m, name, buffer, value in state:
-                setattr(m, name, buffer)  # a layer may have assigned a new tensor rather than written this one
-                buffer.copy_(value)
+    with state_kept(module, ({device}, generators_of(module))), torch.no_grad():
+        for _ in range(1 + repeats):  # the first warms up (allocator, cuDNN's choice of algorithm)
+            Timed(module).run(example_input.clone())
     # The median of the timed runs (the warm-up's time is left out), summed over an IR node's members.
     return [sum(1e3 * statistics.median(times[name][1:]) for name in names if name in times)
             for names in traced.members]
@@ -1102,6 +1093,22 @@ def set_rng_state(state: tuple):
         _set_philox(torch.cuda.default_generators[index], s)
     for generator, s in generators:
         _set_philox(generator, s) if isinstance(s, tuple) else generator.set_state(s)
+
+
+@contextlib.contextmanager
+def state_kept(module: torch.nn.Module, rng: tuple):
+    """Runs within leave ``module``'s buffers (running statistics) and the generators of ``rng`` (as
+    ``rng_state`` takes it) as they found them: a run that must not count as a training step."""
+    buffers = [(m, name, b, b.clone()) for m in module.modules() for name, b in m.named_buffers(recurse=False)]
+    drawn_from = rng_state(rng)
+    try:
+        yield
+    finally:
+        set_rng_state(drawn_from)
+        with torch.no_grad():
+            for m, name, buffer, value in buffers:
+                setattr(m, name, buffer)  # a layer may have assigned a new tensor rather than written this one
+                buffer.copy_(value)
 
 
 def same_rng_state(a: tuple, b: tuple) -> bool:

@@ -30,42 +30,31 @@ from tqdm import tqdm  # noqa: E402
 
 from harness import nets  # noqa: E402
 from harness.bench.figure3 import save_figure  # noqa: E402
-from harness.results import read_row, stored_path  # noqa: E402
-from harness.run import run_cell  # noqa: E402
+from harness.bench.frontier import Cells  # noqa: E402
 from harness.trace import COST_MODELS  # noqa: E402
 
 SIZES = {"cpu": ("resnet50", 8, 128), "cuda": ("resnet152", 128, 224)}  # net, batch, side by default
-
-
-def run(args, strategy: str, cost_model: str = "paper", budget: int | None = None) -> dict:
-    """One cell's row: run (resuming from ``--rows``) or, ``--from-rows``, read."""
-    kwargs = dict(batch_size=args.batch, image_size=args.side, device=args.device, budget_bytes=budget,
-                  compiled=args.compile, cost_model=cost_model)
-    if args.from_rows:
-        path = stored_path(args.rows, args.net, strategy, **kwargs)
-        return read_row(path) if path.exists() else {"status": "missing", "error": f"no row {path.name} in --rows"}
-    kwargs["budget"], kwargs["compile"] = kwargs.pop("budget_bytes"), kwargs.pop("compiled")
-    return run_cell(args.net, strategy, results_dir=args.rows, resume=True, warmup_steps=2,
-                    timed_steps=args.timed_steps, **kwargs)
 
 
 def table(vanilla: dict, cells: list[tuple[int, str, dict]]) -> pd.DataFrame:
     base_ms, base_flops = vanilla["step_time_ms"], vanilla["predicted_step_flops"]
     out = []
     for budget, cost_model, row in cells:
-        ok = row.get("status") == "ok"
-        value = (lambda field: row.get(field) if ok else None)  # noqa: E731
+        ran = row if row.get("status") == "ok" else {}
+
+        def per(field, scale):  # the run's ``field`` over ``scale``; None where it did not run
+            return None if ran.get(field) is None else ran[field] / scale
+
         out.append({
             "budget GB": budget / 1e9, "cost model": cost_model, "status": row.get("status"),
-            "peak GB": value("measured_peak_bytes") and value("measured_peak_bytes") / 1e9,
-            "step ms": value("step_time_ms"),
-            "x vanilla": value("step_time_ms") and value("step_time_ms") / base_ms,
-            "IQR %": value("step_time_iqr_ms") and 100 * value("step_time_iqr_ms") / value("step_time_ms"),
-            "layers recomputed": value("recomputed_node_count"),
-            "FLOPs x vanilla": value("predicted_step_flops") and value("predicted_step_flops") / base_flops,
-            "predicted ms": (base_ms + value("predicted_overhead_cost")
-                             if cost_model == "measured" and value("predicted_overhead_cost") is not None else None),
-            "note": "" if ok else str(row.get("error", ""))[:80]})
+            "peak GB": per("measured_peak_bytes", 1e9), "step ms": ran.get("step_time_ms"),
+            "x vanilla": per("step_time_ms", base_ms),
+            "IQR %": per("step_time_iqr_ms", ran.get("step_time_ms", 0) / 100),
+            "layers recomputed": ran.get("recomputed_node_count"),
+            "FLOPs x vanilla": per("predicted_step_flops", base_flops),
+            "predicted ms": (base_ms + ran["predicted_overhead_cost"]
+                             if cost_model == "measured" and ran.get("predicted_overhead_cost") is not None else None),
+            "note": "" if ran else str(row.get("error", ""))[:80]})
     return pd.DataFrame(out).astype({"peak GB": float, "step ms": float, "x vanilla": float, "IQR %": float,
                                      "FLOPs x vanilla": float, "predicted ms": float})
 
@@ -118,18 +107,19 @@ def main(argv=None) -> None:
     cost_models = args.cost_models.split(",")
     if unknown := sorted(set(cost_models) - set(COST_MODELS)):
         raise SystemExit(f"unknown cost models {', '.join(unknown)}; valid: {', '.join(COST_MODELS)}")
-    vanilla = run(args, "vanilla")
-    least = run(args, "approx_dp", budget=1).get("min_feasible_bytes")
+    progress = tqdm(total=2 + args.points * len(cost_models), desc=f"cost models, {args.net}")
+    cells = Cells(args.net, args.batch, args.side, args.device, args.rows, args.from_rows, args.timed_steps, progress)
+    vanilla = cells.run("vanilla", compile=args.compile)
+    least = cells.run("approx_dp", budget=1, compile=args.compile).get("min_feasible_bytes")
     if vanilla.get("status") != "ok" or least is None:
         raise SystemExit(f"{args.net}: vanilla gave {vanilla.get('status')} ({vanilla.get('error', '')}); "
                          f"approx_dp's minimum: {least}")
     top = vanilla["measured_peak_bytes"]
     budgets = np.linspace(least, top, args.points + 1)[:-1].astype(int) if top > least else [least]
-    cells = []
-    for budget in tqdm(budgets, desc=f"cost models, {args.net}"):
-        cells += [(int(budget), cost_model, run(args, "approx_dp", cost_model, int(budget)))
-                  for cost_model in cost_models]
-    points = table(vanilla, cells)
+    points = table(vanilla, [(int(budget), cost_model, cells.run("approx_dp", budget=int(budget), compile=args.compile,
+                                                                 cost_model=cost_model))
+                             for budget in budgets for cost_model in cost_models])
+    progress.close()
     command = "python -m harness.bench.cost_models " + " ".join(argv if argv is not None else sys.argv[1:])
     mode = "compiled" if args.compile else "eager"
     where = f"{vanilla.get('device_name') or args.device}, {mode}"

@@ -57,14 +57,16 @@ class Cells:
         self.rows_dir, self.from_rows, self.timed_steps, self.progress = rows_dir, from_rows, timed_steps, progress
         self.rows: list[dict] = []
 
-    def run(self, strategy, *, budget=None, options=None, compile=False, point=None) -> dict:
+    def run(self, strategy, *, budget=None, options=None, compile=False, point=None, cost_model="paper") -> dict:
         kwargs = dict(batch_size=self.batch, image_size=self.side, device=self.device, budget=budget,
-                      options=options or {}, warmup_steps=2, timed_steps=self.timed_steps, compile=compile)
+                      options=options or {}, warmup_steps=2, timed_steps=self.timed_steps, compile=compile,
+                      cost_model=cost_model)
         self.progress.set_postfix_str(f"{self.net} {strategy}{' compiled' if compile else ''}"
                                       + (f" {budget / 1e9:.2f} GB" if budget else ""))
         if self.from_rows:
             path = stored_path(self.rows_dir, self.net, strategy, batch_size=self.batch, image_size=self.side,
-                               device=self.device, budget_bytes=budget, options=options, compiled=compile)
+                               device=self.device, budget_bytes=budget, options=options, compiled=compile,
+                               cost_model=cost_model)
             row = read_row(path) if path.exists() else {"status": "missing", "net": self.net,
                                                          "strategy": strategy, "compiled": compile,
                                                          "error": "no row in --rows: not run"}
