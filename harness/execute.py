@@ -20,13 +20,14 @@ order it was saved.
 NOTE [replaying side effects]
 A recomputed layer must compute what it computed in the forward pass, and do nothing else, whatever the
 layer is. Both are done by mechanism, with no list of layer types:
-- Randomness. Before each fx node of a recomputed value runs in the forward pass, the RNG state of the CPU,
-  of every CUDA device the step uses and of every ``torch.Generator`` the program holds (in a call's
-  arguments or as a module's attribute) is taken; if the node moved it (it drew numbers: a dropout
-  module, ``F.dropout``, MHA's or SDPA's ``dropout_p``, stochastic depth's ``bernoulli_``, a user's
-  ``torch.rand`` or ``torch.randperm(n, generator=self.generator)``), the state is kept, and the
-  recomputation sets it again before that node, as ``torch.utils.checkpoint``'s ``preserve_rng_state``
-  does per region. The program's own RNG streams go on afterwards as if nothing had been recomputed.
+- Randomness. Before an fx node of a recomputed value that draws runs in the forward pass, the RNG state
+  of the CPU, of every CUDA device the step uses and of every ``torch.Generator`` the program holds (in a
+  call's arguments or as a module's attribute) is kept (a dropout module, ``F.dropout``, MHA's or SDPA's
+  ``dropout_p``, stochastic depth's ``bernoulli_``, a user's ``torch.rand`` or ``torch.randperm(n,
+  generator=self.generator)``), and the recomputation sets it again before that node, as
+  ``torch.utils.checkpoint``'s ``preserve_rng_state`` does per region. Which nodes draw is found by
+  comparing the states around each call the first time it runs (NOTE [what a call needs, found once]).
+  The program's own RNG streams go on afterwards as if nothing had been recomputed.
 - State. The buffers an fx node of a recomputed value can reach (its module's, for a module call; the
   buffers among its inputs, for a function or method) are copied before its forward call; for the
   recomputed call each buffer takes that copy's data (``t.data``: no kernel), so the call reads the state
@@ -48,6 +49,22 @@ layer is. Both are done by mechanism, with no list of layer types:
   of the recomputed values (``_Fresh``), one per fx input, so ``inplace=True`` modules, ``F.*(...,
   inplace=True)``, ``x.add_()`` and writes to views work on them, and ops that test ``q is k`` (MHA's
   self-attention path) see the same aliasing as in the forward pass.
+
+NOTE [what a call needs, found once]
+Taking and comparing every generator's state around every call a plan may recompute, every step, was most
+of a recomputing step's host work (ResNet-50, ``chen_sqrt``: 166 ``aten::equal`` a step, with the state
+copies and ``detach``es around them, 6,875 ATen calls against plain PyTorch's 3,191). Whether a call draws
+is the program's, not the step's: the first step that runs a call under a plan compares the states around
+it, and later steps take the state only before the calls that drew (``_static(module).draws``, one table per
+setting of the modules' ``training`` flags, so ``eval()`` and back learn again). A call that draws only on
+some steps (a dropout whose probability was 0) would then be replayed from the wrong state; instead, a
+stage whose recomputation replays no draw checks that it drew nothing, and a step where it did fails,
+naming the calls (``_drawing_nothing``). A stage that replays a draw puts the program's state back after
+it. A buffer the recomputation swaps in is read from the call's own ``written_state`` of the forward pass
+(the same tensors), and the state's copy is one ``clone``; a recomputed value handed back whole needs no
+``as_strided``. What is left beside the recomputed layers' own ops is the state copies (three ops a
+buffer: a BatchNorm's three take nine) and the reruns that collect what a layer saves (``_rerun_saving``):
+``python -m harness.bench.overhead`` measures it against the goal of two ops a recomputed call.
 
 NOTE [swapping]
 A saved tensor whose storage belongs to a swapped node (``plan.swapped``) is copied to host memory when
@@ -82,6 +99,20 @@ from strategies.simulate import called_for
 
 
 RECOMPUTE_EVENT = "harness::recompute"  # what a profile calls a stage's recomputation (bench.profile_step)
+_RECORDERS: list[list[list[str]]] = []  # recorded_recomputations()'s lists
+
+
+@contextlib.contextmanager
+def recorded_recomputations():
+    """A list that gets, for each recomputation the steps run inside make, the fx nodes it reruns in the
+    order it runs them (the overhead benchmark runs the same calls plainly, as the cost a recomputation
+    cannot avoid; tests ask what the last recomputation of a step ran)."""
+    stages: list[list[str]] = []
+    _RECORDERS.append(stages)
+    try:
+        yield stages
+    finally:
+        _RECORDERS.remove(stages)
 
 
 def execute(traced: Traced, plan: Plan, *inputs: torch.Tensor, loss_fn=None) -> torch.Tensor:
@@ -151,7 +182,7 @@ class _Step:
     cache_stages: dict[int, set[int]] = field(default_factory=dict)  # kept group -> stages still to read it
     recomputed: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # group -> rank -> a tensor
     rng_states: dict[str, object] = field(default_factory=dict)  # fx node that drew numbers -> RNG state before it
-    state_before: dict[str, list] = field(default_factory=dict)  # recomputed fx node -> the state its call found
+    state_before: dict[str, tuple] = field(default_factory=dict)  # recomputed fx node -> (its buffers, as found)
     constants: dict[str, object] = field(default_factory=dict)  # inputs and non-tensor values
     extra_nodes: set[str] = field(default_factory=set)  # recomputed fx nodes that saved extras
     extras: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # recomputed extras, until unpacked
@@ -173,8 +204,13 @@ class _Step:
         self.stage_of = self.plan.stage_of(len(graph))
         self.nodes = {n.name: n for n in self.traced.module.graph.nodes}
         self.modules = _static(self.traced.module).modules
-        self.reads_left = _last_uses(self.traced.module.graph)
+        self.reads_left = _last_uses(self.traced.module.graph.nodes)
         self.order = self._stage_order()  # the forward's, and each recomputation's within its stage
+        self.stage_nodes: dict[int, list[fx.Node]] = {}  # stage -> its discarded values' fx nodes, in that order
+        for node in self.order:
+            g = self.traced.group_of.get(node.name)
+            if g in self.discarded:
+                self.stage_nodes.setdefault(self.stage_of[g], []).append(node)
         self.swapped = set(members(self.plan.swapped))
         self.packed: weakref.WeakSet[_Saved] = weakref.WeakSet()  # what the graph still holds, to drop on failure
         self.unreached = set(graph.unreached)
@@ -210,7 +246,9 @@ class _Step:
         # torch call in the recomputation (6,500 a step for chen_sqrt on ResNet-152).
         default = torch.get_default_device()
         self.default_device_mode = torch.device(default) if default.type != "cpu" else contextlib.nullcontext()
-        self.rng = ({t.device for t in held}, _static(module).generators)
+        static = _static(module)
+        self.rng = ({t.device for t in held}, static.generators)
+        self.draws = static.draws.setdefault(tuple(m.training for m in static.modules.values()), {})
         for node in self.order:
             if node.op == "output":
                 return self._load(node.args[0])
@@ -378,7 +416,9 @@ class _Step:
             return self._swapped_in(saved)
         g = saved.group
         if g not in self.recomputed:
-            with torch.profiler.record_function(RECOMPUTE_EVENT):
+            # marked only under a profiler: the mark costs tens of microseconds even with none running
+            with torch.profiler.record_function(RECOMPUTE_EVENT) if torch.autograd._profiler_enabled() \
+                    else contextlib.nullcontext():
                 self._recompute_stage(self.stage_of[g])
         if saved.extra is not None:
             value = self.extras.pop(saved.extra)
@@ -386,7 +426,8 @@ class _Step:
             storage_rank, size, stride, offset, dtype = saved.geometry
             base = self.recomputed[g][storage_rank]
             assert base.dtype == dtype, "executor bug: a token's dtype differs from its recomputed storage's"
-            value = base.as_strided(size, stride, offset)
+            whole = base.size() == size and base.stride() == stride and base.storage_offset() == offset
+            value = base if whole else base.as_strided(size, stride, offset)
             self.value_tokens[g] -= 1
             if self.value_tokens[g] == 0:
                 self.recomputed[g] = _EXTRAS_ONLY  # the value goes; what its layer saved may still be read
@@ -443,8 +484,10 @@ class _Step:
                 self.state_before.pop(name, None)
         groups = members(made)
         names = {name for g in groups for name in self.traced.members[g]}
-        order = [n for n in self.order if n.name in names]
-        uses = _last_uses(self.traced.module.graph, within=names)
+        order = [n for n in self.stage_nodes[stage] if n.name in names]
+        for recorder in _RECORDERS:
+            recorder.append([n.name for n in order])
+        uses = _last_uses(order)
         # The values tokens will read stay to the end of the stage; any other goes after its last use here,
         # as the simulator frees it (a value no backward reads: a downsampling branch read by an addition).
         finals = {self.traced.members[g][-1] for g in groups if self.value_tokens.get(g)}
@@ -453,7 +496,9 @@ class _Step:
         # makes several (``torch.linalg.qr``'s Q and R, ``var_mean``, values and indices) saves any of them.
         storages = {g: {} for g in groups if self.value_tokens.get(g)}
         ranks = {g: {} for g in storages}
-        with torch.no_grad(), _preserved_rng(self.rng), self.default_device_mode, recomputing():
+        replays_draws = any(n.name in self.rng_states for n in order)
+        with (torch.no_grad(), _preserved_rng(self.rng) if replays_draws else _drawing_nothing(self.rng, order),
+              self.default_device_mode, recomputing()):
             for node in order:
                 load = lambda a: self._load(a, env)  # noqa: E731
                 if node.name in self.extra_nodes:
@@ -484,9 +529,10 @@ class _Step:
         captured = []
 
         def keep(t):
-            # Detached, and nothing left in the rerun's graph: a saved output holding its own grad_fn would
-            # be a cycle through C++ that keeps the whole rerun alive (the one ``execute`` breaks on failure).
-            captured.append(t.detach())
+            # Detached (``.data``: no op), and nothing left in the rerun's graph: a saved output holding its own
+            # grad_fn would be a cycle through C++ that keeps the whole rerun alive (the one ``execute`` breaks
+            # on failure). Hooks skip autograd's version check, so ``.data``'s own counter is never read.
+            captured.append(t.data)
 
         fresh = {}  # one alias per fx input: ``q is k`` holds again where it held in the forward pass
 
@@ -494,7 +540,7 @@ class _Step:
             value = self._load(a, env)
             if isinstance(value, torch.Tensor) and self.needs_grad.get(a.name) and a.op != "get_attr":
                 if a.name not in fresh:
-                    fresh[a.name] = _Fresh.apply(value.detach().requires_grad_())
+                    fresh[a.name] = _Fresh.apply(value.data.requires_grad_())
                 return fresh[a.name]
             return value
 
@@ -509,7 +555,7 @@ class _Step:
         # its module keeps), and each of its saved tensors holds ``keep`` and so this list: emptied, it holds
         # no recomputed value past the rerun.
         captured.clear()
-        return fx.node.map_aggregate(value, lambda v: v.detach() if isinstance(v, torch.Tensor) else v)
+        return fx.node.map_aggregate(value, lambda v: v.data if isinstance(v, torch.Tensor) else v)
 
     def _release_cache(self, g: int):
         if not self.cache_stages[g]:
@@ -533,22 +579,26 @@ class _Step:
         """Run one fx node; a node of a recomputed value replays its randomness and state writes (NOTE
         [replaying side effects])."""
         if not recompute and node.name in self.recomputable:
-            before = rng_state(self.rng)
+            draws = self.draws.get(node.name)  # NOTE [what a call needs, found once]
+            before = rng_state(self.rng) if draws is not False else None
             written = self._written(node, args, kwargs)
             if written:  # the state as this call finds it, for the recomputation to start from
-                self.state_before[node.name] = [t.detach().clone() for t in written]
+                with torch.no_grad():
+                    self.state_before[node.name] = (written, [t.clone() for t in written])
             value = self._call(node, args, kwargs)
-            if not same_rng_state(before, rng_state(self.rng)):
+            if draws is None:
+                draws = self.draws[node.name] = not same_rng_state(before, rng_state(self.rng))
+            if draws:
                 self.rng_states[node.name] = before
             return value
         if not recompute:
             return self._call(node, args, kwargs)
         if node.name in self.rng_states:
             set_rng_state(self.rng_states[node.name])
-        written = self._written(node, args, kwargs)
+        # the buffers the forward call found: its inputs' are the same tensors (buffers are never IR values)
+        written, found = self.state_before.pop(node.name, ((), ()))
         if not written:
             return self._call(node, args, kwargs)
-        found = self.state_before.pop(node.name, [])
         # The state as found: the copy's data swapped in, or copied in where a view made before the call reads
         # the buffer (NOTE [replaying side effects]).
         views = {id(a.untyped_storage()) for a in tensors_of(args, kwargs) if all(a is not t for t in written)}
@@ -594,7 +644,7 @@ class _Fresh(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        return x.detach()
+        return x.data  # a new tensor on the same storage, as ``detach`` makes, without an op
 
     @staticmethod
     def backward(ctx, grad):
@@ -670,12 +720,10 @@ def _delayed(nodes: list[fx.Node], traced: Traced) -> dict[str, int]:
     return delayed
 
 
-def _last_uses(graph: fx.Graph, within: set[str] | None = None) -> dict[str, int]:
-    """How many nodes (of ``within``, if given) read each node."""
+def _last_uses(nodes) -> dict[str, int]:
+    """How many of ``nodes`` read each node."""
     counts: dict[str, int] = {}
-    for node in graph.nodes:
-        if within is not None and node.name not in within:
-            continue
+    for node in nodes:
         for source in node.all_input_nodes:
             counts[source.name] = counts.get(source.name, 0) + 1
     return counts
@@ -712,8 +760,20 @@ def _static(module: fx.GraphModule) -> SimpleNamespace:
     if module not in _STATIC:
         # the root is left out: a value that held its key would keep the module, and its weights, forever
         _STATIC[module] = SimpleNamespace(modules={name: m for name, m in module.named_modules() if name},
-                                          generators=generators_of(module))
+                                          generators=generators_of(module), draws={})
     return _STATIC[module]
+
+
+@contextlib.contextmanager
+def _drawing_nothing(rng: tuple, order: list[fx.Node]):
+    """A recomputation that replays no draw must draw nothing (NOTE [what a call needs, found once])."""
+    state = rng_state(rng)
+    yield
+    if not same_rng_state(state, rng_state(rng)):
+        names = ", ".join(node.name for node in order)
+        raise RuntimeError(f"a recomputation of [{names}] drew random numbers that the same calls did not draw in "
+                           "the step that first ran them; a call that draws only on some steps cannot be replayed "
+                           "from what the executor learns once (trace the model again after changing it)")
 
 
 @contextlib.contextmanager

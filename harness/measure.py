@@ -94,6 +94,7 @@ class Measurement:
     step_time_iqr_ms: float | None = None
     device_name: str = ""
     step_flops: int | None = None  # meta: the FLOPs of the ops the step ran (recomputations included)
+    gpu_kernel_ms: float | None = None  # cuda: the GPU's kernel time in one profiled step after the timed ones
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -273,12 +274,26 @@ def _measure_cuda(step, model, tracked, warmup_steps, timed_steps) -> Measuremen
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     nvml_used = _nvml_used_bytes()
     times = _timed(step, model, warmup_steps, timed_steps, _cuda_ms)
+    kernel_ms = _gpu_kernel_ms(step, model) if timed_steps else None
     parts = _parts(tracked) if tracked is not None else dict(params_bytes=None, grads_bytes=None,
                                                              activations_bytes=None)
     return Measurement(device="cuda", method="cuda-allocator+nvml+cuda-events", peak_bytes=allocated,
                        tracker_peak_bytes=tracked and tracked.peak_bytes, reserved_bytes=reserved,
                        nvml_used_bytes=nvml_used, device_name=torch.cuda.get_device_name(), **parts,
-                       **_median_iqr(times))
+                       gpu_kernel_ms=kernel_ms, **_median_iqr(times))
+
+
+def _gpu_kernel_ms(step, model) -> float:
+    """The time the GPU spends running kernels in one step, profiled after the timed ones (the profiler's
+    host cost stays out of the timed steps). Beside the step's wall time it tells the host's share: a
+    step whose wall time is well above its kernel time kept the GPU waiting on the host."""
+    clear_grads(model)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiled:
+        step()
+        torch.cuda.synchronize()
+    clear_grads(model)
+    return sum(e.self_device_time_total for e in profiled.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
 
 
 def _measure_compiled(step, model, device, warmup_steps, timed_steps) -> Measurement:

@@ -95,3 +95,18 @@ def load_results(path: str | os.PathLike) -> pd.DataFrame:
     rows = [read_row(f) for f in files]
     rows = [r for r in rows if isinstance(r, dict) and "schema_version" in r]
     return pd.DataFrame(rows)
+
+
+HOST_BOUND = 1.10  # a step whose wall time is above this times its GPU kernel time is host-bound
+
+
+def device_time(row) -> dict:
+    """A timed cuda row's GPU side, for the tables beside its wall time: ``GPU ms`` (its kernels' time in one
+    profiled step), ``GPU busy`` (that over the wall time) and ``host-bound`` ("yes" where the wall time is over
+    ``HOST_BOUND`` times the kernel time: the harness's host work, not the strategy, sets the time); empty for
+    rows without a kernel time (meta and cpu rows, and rows measured before the GPU's time was taken)."""
+    kernel_ms, wall_ms = row.get("gpu_kernel_ms"), row.get("step_time_ms")
+    if kernel_ms is None or wall_ms is None or pd.isna(kernel_ms) or pd.isna(wall_ms) or kernel_ms <= 0:
+        return {"GPU ms": None, "GPU busy": None, "host-bound": ""}
+    return {"GPU ms": kernel_ms, "GPU busy": kernel_ms / wall_ms,
+            "host-bound": "yes" if wall_ms > HOST_BOUND * kernel_ms else "no"}

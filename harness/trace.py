@@ -1315,8 +1315,10 @@ def written_state(module: torch.nn.Module, node: fx.Node, args, kwargs, buffer_i
     found = []
     if node.op == "call_module":
         submodule = module.get_submodule(node.target) if submodule is None else submodule
-        # a layer with no children (BatchNorm) holds its buffers itself, and asked so, ``buffers`` walks nothing
-        found = list(submodule.buffers(recurse=bool(submodule._modules)))
+        # A layer with no children (BatchNorm) holds its buffers itself: read where ``buffers()`` reads them, without
+        # its generator walk (microseconds a call, for every layer call a plan may recompute, every step).
+        found = [b for b in submodule._buffers.values() if b is not None] if not submodule._modules \
+            else list(submodule.buffers())
     tensors = tensors_of(args, kwargs)
     found += [t for t in tensors if id(t) in buffer_ids]
     if written:

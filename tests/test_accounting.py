@@ -681,14 +681,23 @@ def test_a_layer_that_saves_after_its_inputs_go_is_replayed_so():
 
 
 @pytest.mark.parametrize("net", [*nets.PAPER_NETS, "vit_b_16", "gpt2"])
-def test_predicted_peak_is_the_measured_one_within_one_percent(net):
+def test_predicted_peak_is_the_measured_one_to_the_byte(net):
     # On ViT-B/16 the DPs' plans peak in an attention layer's backward, whose autograd nodes free the
     # layer's saved tensors one by one (NOTE [a layer's backward peak]): held to the end, +1.5% here.
+    # One known gap: the replay makes a layer's parameter gradients together, where autograd makes a
+    # linear layer's bias gradient on a 3-D input (a sum over the tokens) apart from its weight's. Under
+    # chen_sqrt, ViT-B/16's step peaks in an MLP's output layer's backward before its bias gradient exists:
+    # measured one bias gradient (768 floats, 3,072 B) under the prediction. Nowhere else does it show.
     model, x, loss_fn, traced = built(net)
+    bias_bytes = max((m.bias.nelement() * m.bias.element_size() for m in model.modules()
+                      if isinstance(m, nn.Linear) and m.bias is not None), default=0)
     for name, options in CORE:
         plan = strategies.solve(name, traced.graph, **options)
         measured, predicted = measured_and_predicted(model, x, loss_fn, traced, plan)
-        assert predicted == pytest.approx(measured, rel=0.01), (name, options, measured, predicted)
+        if (net, name) == ("vit_b_16", "chen_sqrt"):
+            assert 0 < predicted - measured <= bias_bytes, (measured, predicted)
+        else:
+            assert predicted == measured, (name, options, measured, predicted)
 
 
 @pytest.mark.parametrize("net", ["resnet50", "unet", "pspnet"])
@@ -757,7 +766,9 @@ def test_a_peers_plan_predicts_what_torch_checkpoint_holds(net, batch, side, str
     plan = strategies.solve(strategy, traced.graph, **peers.zoo_options(strategy, structure))
     measured = measure(peers.step(plan, model, structure, x, loss_fn), model, (x,), "meta").peak_bytes
     predicted = strategies.simulate(traced.graph, plan).peak_bytes + fixed_bytes(model, x)
-    assert predicted == pytest.approx(measured, rel=0.01), (measured, predicted)
+    # Not to the byte: PyTorch's checkpoint runs its own recomputation, which the replay models from outside
+    # (what its frame holds, when its rerun's values go); within 0.1% on these four (0 to 0.098%).
+    assert abs(predicted - measured) <= 0.001 * measured, (measured, predicted)
 
 
 class CroppedSkip(nn.Module):

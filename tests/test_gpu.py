@@ -1,6 +1,6 @@
-"""On a CUDA GPU (skipped without one): compiled code measured by the allocator, the compile peer's budget
-doing what it says, the one accounting holding on the device, with the reserve the device adds, and the CUDA
-generators' states replayed exactly."""
+"""On a CUDA GPU (skipped without one): compiled code measured by the allocator, and computing eager PyTorch's
+step; the GPU's kernel time in a timed row; the compile peer's budget doing what it says; the one accounting
+holding on the device, with the reserve the device adds; and the CUDA generators' states replayed exactly."""
 
 from functools import cache
 
@@ -92,3 +92,30 @@ def test_recomputation_replays_the_cuda_generators_exactly():
         assert plan.recomputed
         difference = compare(model, x, loss_fn, lambda: execute(traced, plan, x, loss_fn=loss_fn))
         assert difference.exact, difference
+
+
+def test_a_compiled_plan_on_cuda_computes_eager_pytorchs_step():
+    """Inductor with the plan's partitioner pass, on cuda, against plain eager PyTorch in float64: the loss,
+    every gradient and the BatchNorm statistics (updated once), as the cpu tests check under aot_eager."""
+    import copy
+
+    from harness import nets
+    from harness.compiled import plan_step
+    from test_peers import assert_same_step_in_float64
+
+    torch.manual_seed(0)
+    model, x, loss_fn = nets.build("resnet50", 4, 64, device="cuda")
+    model, x = model.double(), x.double()
+    reference = copy.deepcopy(model)
+    reference_loss = loss_fn(reference(x))
+    reference_loss.backward()
+    traced = trace(model, x, loss_fn=loss_fn)
+    plan = strategies.solve("approx_dp", traced.graph, mode="mc")
+    assert plan.recomputed
+    assert_same_step_in_float64(model, reference, plan_step(traced, plan, x, loss_fn)(), reference_loss)
+
+
+def test_a_timed_cuda_row_says_how_long_the_gpu_ran_kernels():
+    row = run_cell("resnet50", "chen_sqrt", **SIZES)
+    assert row["status"] == "ok", row.get("error")
+    assert 0 < row["gpu_kernel_ms"] <= 1.1 * row["step_time_ms"]

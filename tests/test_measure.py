@@ -95,3 +95,33 @@ def test_a_profile_says_where_a_steps_time_goes(tmp_path):
     assert figures["chen_sqrt"]["ATen op calls per step"] > figures["vanilla"]["ATen op calls per step"]
     with pytest.raises(SystemExit):  # meta has no time to profile
         profile_step.main([str(tmp_path / "meta"), "vgg19", "vanilla", "--device", "meta"])
+
+
+def test_a_cuda_rows_kernel_time_says_whether_the_host_set_the_step():
+    from harness.results import device_time
+
+    assert device_time({"gpu_kernel_ms": 100.0, "step_time_ms": 105.0}) == {
+        "GPU ms": 100.0, "GPU busy": 100.0 / 105.0, "host-bound": "no"}
+    assert device_time({"gpu_kernel_ms": 100.0, "step_time_ms": 150.0})["host-bound"] == "yes"
+    assert device_time({"step_time_ms": 150.0}) == {"GPU ms": None, "GPU busy": None, "host-bound": ""}
+
+
+def test_cuda_tables_put_gpu_time_ratios_beside_wall_time_ratios():
+    from harness.bench import figure3, frontier
+
+    def row(strategy, wall, kernel, batch=8, point=None):
+        return {"net": "resnet152", "point": point or strategy, "strategy": strategy, "options": {}, "status": "ok",
+                "device": "cuda", "batch_size": batch, "measured_peak_bytes": 5e9, "budget_bytes": None,
+                "step_time_ms": wall, "step_time_iqr_ms": 1.0, "gpu_kernel_ms": kernel}
+
+    rows = [row("vanilla", 100.0, 95.0), row("approx_dp", 150.0, 114.0)]
+    table = frontier.points(rows, "cuda").set_index("strategy")
+    assert table.loc["approx_dp", "time / vanilla"] == 1.5
+    assert table.loc["approx_dp", "GPU / vanilla"] == 114.0 / 95.0
+    assert table.loc["approx_dp", "host-bound"] == "yes" and table.loc["vanilla", "host-bound"] == "no"
+    assert "GPU ms" not in frontier.points(rows, "meta")  # no kernel time on meta: no column
+    curves = pd.DataFrame([row("vanilla", 100.0, 95.0, 4), {**row("approx_dp", 150.0, 120.0), "options": {"mode": "tc"}},
+                           row("chen_sqrt", 200.0, 130.0)])
+    claim = figure3.tc_against_chen(figure3.points(curves, 10**10))
+    assert claim == ["resnet152: at batch 8 (twice vanilla's 4), tc/Chen = 0.75 (tc 1.33x faster; the paper: "
+                     "1.16x); in GPU kernel time 0.92"]

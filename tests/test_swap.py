@@ -104,7 +104,7 @@ def test_the_executor_moves_what_the_plan_says_and_the_peak_follows(base):
         measured.append(measure(lambda: execute(traced, plan, x), model, (x,), "meta"))
         predicted.append(simulate(traced.graph, plan))
         assert measured[-1].host_peak_bytes == predicted[-1].host_bytes
-        assert measured[-1].peak_bytes == pytest.approx(predicted[-1].peak_bytes + static, rel=0.05)
+        assert measured[-1].peak_bytes == predicted[-1].peak_bytes + static
     assert measured[1].peak_bytes <= measured[0].peak_bytes and predicted[1].peak_bytes <= predicted[0].peak_bytes
     if base is None:  # a recomputation plan may peak where no swap helps; vanilla peaks on kept values
         assert measured[1].peak_bytes < 0.9 * measured[0].peak_bytes
@@ -117,7 +117,7 @@ def test_a_budgeted_row_on_meta(tmp_path):
     assert row["status"] == "ok", row.get("error")
     assert row["measured_peak_bytes"] <= budget
     assert row["measured_host_peak_bytes"] == row["plan_host_bytes"] > 0
-    assert abs(row["measured_peak_bytes"] - row["predicted_peak_bytes"]) < 0.02 * row["predicted_peak_bytes"]
+    assert row["measured_peak_bytes"] == row["predicted_peak_bytes"]
     low = run_cell("resnet50", "swap", batch_size=8, image_size=112, budget=10 * 2**20)
     assert low["status"] == "infeasible" and low["min_feasible_bytes"] > 10 * 2**20
 

@@ -32,7 +32,7 @@ from tqdm import tqdm  # noqa: E402
 
 from harness.budget import parse_budget  # noqa: E402
 from harness.bench.max_batch import fits, run_within  # noqa: E402
-from harness.results import label  # noqa: E402
+from harness.results import device_time, label  # noqa: E402
 
 BATCHES = {"resnet152": [16, 32, 48, 64, 96, 128, 160, 192, 224, 256], "pspnet": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}
 CURVES = [("vanilla", {}), ("approx_dp", {"mode": "tc"}), ("approx_dp", {"mode": "mc"}), ("chen_sqrt", {})]
@@ -56,7 +56,7 @@ def points(rows: pd.DataFrame, memory: int) -> pd.DataFrame:
                     "status": row.status, "fits": fits(row.to_dict(), memory),
                     "peak GB": row.get("measured_peak_bytes", float("nan")) / 1e9 if row.status == "ok" else None,
                     "time": value * scale if value is not None and not pd.isna(value) else None,
-                    "device": row.device})
+                    "device": row.device, **(device_time(row) if row.device == "cuda" else {})})
     return pd.DataFrame(out).sort_values(["net", "curve", "batch"])
 
 
@@ -92,8 +92,11 @@ def tc_against_chen(table: pd.DataFrame) -> list[str]:
                          f"{' and '.join(missing)}")
             continue
         tc, chen = (float(rows.time.iloc[0]) for rows in at.values())
+        gpu = [rows["GPU ms"].iloc[0] if "GPU ms" in rows else None for rows in at.values()]
+        in_gpu_time = (f"; in GPU kernel time {gpu[0] / gpu[1]:.2f}" if all(g is not None and not pd.isna(g)
+                                                                             for g in gpu) else "")
         lines.append(f"{net}: at batch {batch} (twice vanilla's {batch // 2}), tc/Chen = {tc / chen:.2f} "
-                     f"(tc {chen / tc:.2f}x faster; the paper: 1.16x)")
+                     f"(tc {chen / tc:.2f}x faster; the paper: 1.16x){in_gpu_time}")
     return lines
 
 

@@ -34,7 +34,7 @@ from tqdm import tqdm  # noqa: E402
 
 from harness.bench.figure3 import save_figure  # noqa: E402
 from harness.budget import parse_budget  # noqa: E402
-from harness.results import read_row, stored_path  # noqa: E402
+from harness.results import device_time, read_row, stored_path  # noqa: E402
 from harness.run import run_cell  # noqa: E402
 
 NETS = {"resnet152": (128, 224), "pspnet": (8, 712), "gpt2": (8, 1024)}
@@ -128,8 +128,16 @@ def points(rows: list[dict], device: str) -> pd.DataFrame:
                     "IQR %": (100 * row["step_time_iqr_ms"] / row["step_time_ms"]
                               if ok and row.get("step_time_iqr_ms") is not None else np.nan),
                     "compile s": row.get("compile_time_s"), "host GB": (row.get("plan_host_bytes") or np.nan) / 1e9,
-                    "note": "" if row.get("status") == "ok" else str(row.get("error", ""))[:80]})
+                    "note": "" if row.get("status") == "ok" else str(row.get("error", ""))[:80],
+                    **(device_time(row) if device == "cuda" else {})})
     table = pd.DataFrame(out)
+    if device == "cuda":  # each point's wall time and GPU time over eager vanilla's, side by side
+        for net, group in table.groupby("net"):
+            vanilla = group[(group.strategy == "vanilla") & ~group.compiled].dropna(subset=["time"])
+            if len(vanilla):
+                table.loc[group.index, "time / vanilla"] = group.time / vanilla.time.iloc[0]
+                table.loc[group.index, "GPU / vanilla"] = group["GPU ms"].astype(float) / vanilla["GPU ms"].iloc[0] \
+                    if pd.notna(vanilla["GPU ms"].iloc[0]) else np.nan
     table["pareto"] = False
     for net, group in table.groupby("net"):
         ok = group.dropna(subset=["peak GB", "time"])

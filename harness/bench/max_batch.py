@@ -35,7 +35,7 @@ from tqdm import tqdm
 from harness import nets
 from harness.budget import parse_budget
 from harness.paper_numbers import TABLE1_GB
-from harness.results import label, read_row, stored_path
+from harness.results import device_time, label, read_row, stored_path
 from harness.run import run_cell
 
 # (strategy, options), seed 004's columns first; options as the strategy configs give them.
@@ -174,7 +174,9 @@ def _search_row(net: str, strategy: str, options: dict, memory: int, device: str
     return {"net": net, "strategy": label(strategy, options), "memory GB": memory / 1e9, "largest batch": batch,
             "peak GB there": best["measured_peak_bytes"] / 1e9 if best else float("nan"),
             "device reserve GB there": (best.get("device_reserve_bytes") or 0) / 1e9 if best else float("nan"),
-            "next batch": next_batch, "probes": probes, "paper batch": nets.spec(net).batch_size, "device": device}
+            "next batch": next_batch, "probes": probes, "paper batch": nets.spec(net).batch_size, "device": device,
+            **({"step ms there": best.get("step_time_ms") if best else None, **device_time(best or {})}
+               if device == "cuda" else {})}
 
 
 def replayed(net: str, strategy: str, options: dict, memory: int, args, progress: tqdm) -> dict:

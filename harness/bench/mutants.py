@@ -1,0 +1,128 @@
+"""Does the suite catch the bugs that matter most? ``python -m harness.bench.mutants OUT_STEM [--only NAME]``.
+
+Each mutant in ``MUTANTS`` is one named bug planted in a scratch copy of the repository (its tracked files): a
+line of the executor or the simulator replaced, as a careless change would. The tests named beside it run
+there; the mutant is caught when they fail (pytest's exit status 1: a test failed, not a copy that no longer
+imports). Writes ``OUT_STEM.md``. Every mutant must be caught; a change that moves a planted line breaks
+``tests/test_mutants.py`` until the list follows the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # relative to the repository's root
+    original: str  # text that occurs exactly once in the file
+    planted: str
+    tests: tuple[str, ...]  # pytest node ids, relative to the root
+
+
+MUTANTS = [
+    Mutant("the program's RNG state is not put back after a recomputation that replayed draws",
+           "harness/execute.py",
+           "    state = rng_state(rng)\n    try:\n        yield\n    finally:\n        set_rng_state(state)\n",
+           "    state = rng_state(rng)\n    yield\n",
+           ("tests/test_randomness.py",)),
+    Mutant("a recomputed call draws from wherever the generator is, not from the state its forward call found",
+           "harness/execute.py",
+           "        if node.name in self.rng_states:\n            set_rng_state(self.rng_states[node.name])\n",
+           "",
+           ("tests/test_randomness.py",)),
+    Mutant("what a layer saves besides its value counts 0 bytes in the forward replay",
+           "strategies/simulate.py",
+           '            allocs.append((("extra", v), graph.saved_extra_bytes[v]))\n',
+           '            allocs.append((("extra", v), 0))\n',
+           ("tests/test_accounting.py::test_predicted_peak_is_the_measured_one_to_the_byte",)),
+    Mutant("a recomputed BatchNorm starts from the state its forward call left, and updates it again",
+           "harness/execute.py",
+           "                else:\n                    swapped.append((t, t.data))\n                    t.data = found[i]\n",
+           "                else:\n                    pass\n",
+           ("tests/test_any_model.py::test_side_effects_are_replayed_by_mechanism",
+            "tests/test_any_model.py::test_a_layer_that_reads_the_state_it_writes_is_recomputed_from_the_state_its_"
+            "forward_found")),
+]
+
+
+def check(mutant: Mutant, root: Path = ROOT) -> None:
+    """Raise ``ValueError`` unless ``mutant.original`` occurs exactly once in its file."""
+    count = (root / mutant.path).read_text().count(mutant.original)
+    if count != 1:
+        raise ValueError(f"mutant {mutant.name!r}: its original text occurs {count} times in {mutant.path}, not "
+                         "once; update MUTANTS in harness/bench/mutants.py to the code as it is")
+
+
+def scratch_copy(destination: Path, root: Path = ROOT) -> None:
+    """The repository's tracked files (and untracked ones git does not ignore) under ``destination``."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=root,
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    for name in listed:
+        source = root / name
+        if source.is_file():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, destination / name)
+
+
+def run(mutant: Mutant, root: Path = ROOT) -> dict:
+    """Plant ``mutant`` in a scratch copy, run its tests there: (caught, seconds, the tests' last line)."""
+    check(mutant, root)
+    with tempfile.TemporaryDirectory(prefix="mutant-") as scratch:
+        scratch = Path(scratch)
+        scratch_copy(scratch, root)
+        path = scratch / mutant.path
+        path.write_text(path.read_text().replace(mutant.original, mutant.planted))
+        env = dict(os.environ, PYTHONPATH=str(scratch), PYTHONDONTWRITEBYTECODE="1")
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutant.tests],
+                              cwd=scratch, env=env, capture_output=True, text=True)
+        seconds = time.perf_counter() - start
+    last = (done.stdout.strip().splitlines() or [""])[-1]
+    return {"mutant": mutant.name, "file": mutant.path, "tests": ", ".join(mutant.tests),
+            "caught": "yes" if done.returncode == 1 else f"no (pytest exit {done.returncode})",
+            "seconds": seconds, "pytest": last}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m harness.bench.mutants", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_stem", type=Path)
+    parser.add_argument("--only", help="run the mutants whose name contains this")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.only or args.only in m.name]
+    if not chosen:
+        parser.error(f"no mutant's name contains {args.only!r}; the mutants: " + "; ".join(m.name for m in MUTANTS))
+    rows = []
+    for mutant in chosen:
+        rows.append(run(mutant))
+        print(f"{rows[-1]['caught']:>4}  {mutant.name}  ({rows[-1]['seconds']:.0f} s)", flush=True)
+    table = pd.DataFrame(rows)
+    caught = (table.caught == "yes").sum()
+    command = "python -m harness.bench.mutants " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.out_stem.parent.mkdir(parents=True, exist_ok=True)
+    args.out_stem.with_suffix(".md").write_text(
+        f"Made by `{command}` on {datetime.date.today()}, on cpu. Each bug planted alone in a scratch copy; "
+        f"caught: its tests fail.\n\nCaught {caught} of {len(table)}.\n\n"
+        + table.to_markdown(index=False, floatfmt=".0f") + "\n")
+    print(f"caught {caught} of {len(table)}: {args.out_stem}.md")
+    if caught < len(table):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

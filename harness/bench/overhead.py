@@ -1,0 +1,189 @@
+"""The executor's host work against what its recomputations cannot avoid: ``python -m harness.bench.overhead
+OUT_STEM [--device cpu|cuda] [--nets a,b] [--strategies a,b]``.
+
+Every strategy the executor runs (and PyTorch's own checkpointing, the peers) on the zoo nets at small sizes
+(``SIZES``), eager. For each cell, per training step after a warm-up step: the ATen op calls and the host
+time outside ATen ops (Python: the executor's and the model's) of ``--steps`` profiled steps
+(``profile_step.profile_cell``), and the same for the calls the plan recomputed run plainly, one after
+another under ``no_grad`` (``plain_recomputation``): the ops and Python a recomputation cannot avoid. The
+goals a lean executor meets:
+
+- ops: at most vanilla's, plus the recomputed calls' own, plus 2 per recomputed call;
+- Python: at most 1.2x vanilla's, plus the recomputed calls' own.
+
+Each row says whether it meets them, and by how much it exceeds vanilla's and ``torch_checkpoint_blocks``'.
+Op counts are deterministic (the same every run); Python times are a machine's, and move by a few percent
+between runs. Writes ``OUT_STEM.md`` and ``OUT_STEM.csv``. ``meta`` runs no ops and has no host time to
+measure: it is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+import torch.fx as fx
+from torch.profiler import profile
+from tqdm import tqdm
+
+import strategies
+from harness.bench.profile_step import profile_cell
+from harness.execute import recorded_recomputations
+from harness.measure import clear_grads
+from harness.results import label
+from harness.run import build_cell, cell_row
+from harness.trace import Traced, generators_of, grad_mode, state_kept
+
+DEVICES = ("cpu", "cuda")
+SIZES = {"resnet50": (2, 64), "vgg19": (2, 64), "googlenet": (2, 64), "densenet161": (2, 64), "pspnet": (1, 64),
+         "unet": (1, 188), "resnet152": (2, 64), "gpt2": (1, 64), "vit_b_16": (1, 224)}
+STRATEGIES = [("vanilla", {}), ("torch_checkpoint_blocks", {}), ("torch_checkpoint_sequential", {}),
+              ("liveness_only", {}), ("chen_sqrt", {}), ("chen_greedy", {}), ("approx_dp", {"mode": "tc"}),
+              ("approx_dp", {"mode": "mc"}), ("exact_dp", {"mode": "tc"}), ("exact_dp", {"mode": "mc"})]
+CALL_OPS = 2  # ops a recomputed call may add beside its own
+PYTHON_FACTOR = 1.2  # of vanilla's host time outside ATen
+
+
+def ops_and_python(run, steps: int = 1) -> tuple[float, float]:
+    """(ATen op calls, host ms outside ATen ops) per call of ``run``, profiled ``steps`` times."""
+    with profile() as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            run()
+        wall_ms = (time.perf_counter() - start) * 1e3
+    events = [e for e in prof.key_averages() if not e.key.startswith("cuda")]
+    in_ops_ms = sum(e.self_cpu_time_total for e in events) / 1e3
+    return sum(e.count for e in events) / steps, max(0.0, wall_ms - in_ops_ms) / steps
+
+
+def plain_recomputation(traced: Traced, example_input: torch.Tensor, names: list[str],
+                        steps: int = 1) -> tuple[float, float]:
+    """(ATen op calls, host ms outside them) of the fx nodes ``names`` run plainly, one after another in that
+    order under ``no_grad``, from the values a plain forward pass made: what recomputing them costs with
+    nothing around it. The module's state and generators are left as they were found."""
+    module = traced.module
+    rng = ({example_input.device}, generators_of(module))
+    nodes = {node.name: node for node in module.graph.nodes}
+    calls = {}
+    with torch.no_grad(), state_kept(module, rng):
+        values = {}
+        for node in module.graph.nodes:
+            if node.op == "output":
+                break
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: values[a.name])
+            values[node.name] = example_input if node.op == "placeholder" else _call(module, node, args, kwargs)
+        for name in names:
+            calls[name] = fx.node.map_arg((nodes[name].args, nodes[name].kwargs), lambda a: values[a.name])
+        submodules = dict(module.named_modules())
+
+        def run():
+            for name in names:
+                args, kwargs = calls[name]
+                _call(module, nodes[name], args, kwargs, submodules)
+
+        run()  # warm-up
+        return ops_and_python(run, steps)
+
+
+def _call(module, node: fx.Node, args, kwargs, submodules=None):
+    if node.op == "get_attr":
+        value = module
+        for part in node.target.split("."):
+            value = getattr(value, part)
+        return value
+    with grad_mode(node):
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        target = submodules[node.target] if submodules else module.get_submodule(node.target)
+        return target(*args, **kwargs)
+
+
+def measure_cell(net: str, strategy: str, options: dict, device: str, steps: int) -> dict:
+    """The cell's row of figures; ``strategies.Inapplicable`` where the strategy has no plan for the net."""
+    batch, side = SIZES[net]
+    row = cell_row(net, strategy, batch_size=batch, image_size=side, device=device, options=options)
+    cell = build_cell(row)
+    with recorded_recomputations() as stages:
+        clear_grads(cell.model)
+        cell.step()  # the first step learns what each call needs
+    recomputed = [name for stage in stages for name in stage]
+    figures, _ = profile_cell(cell, device, warmup=0, steps=steps)
+    own_ops, own_python = plain_recomputation(cell.traced, cell.example_input, recomputed, steps) if recomputed \
+        else (0.0, 0.0)
+    return {"net": net, "batch": batch, "side": side, "strategy": label(strategy, options),
+            "ops": figures["ATen op calls per step"], "python ms": figures["host ms outside them (Python)"],
+            "recomputed calls": len(recomputed), "their ops": own_ops, "their python ms": own_python}
+
+
+def table(rows: pd.DataFrame) -> pd.DataFrame:
+    """The goals per row: ``ops bound`` and ``python bound`` from the net's vanilla row."""
+    out = []
+    for net, group in rows.groupby("net", sort=False):
+        vanilla = group[group.strategy == "vanilla"].iloc[0]
+        blocks = group[group.strategy == "torch_checkpoint_blocks"]
+        for _, row in group.iterrows():
+            peer = row.strategy.startswith("torch_")  # PyTorch's checkpointing: the reference, not held to a goal
+            ops_bound = None if peer else vanilla.ops + row["their ops"] + CALL_OPS * row["recomputed calls"]
+            python_bound = None if peer else PYTHON_FACTOR * vanilla["python ms"] + row["their python ms"]
+            out.append({"net": net, "strategy": row.strategy, "recomputed calls": row["recomputed calls"],
+                        "ops": row.ops, "ops bound": ops_bound, "ops ok": "" if peer else "yes" if row.ops <= ops_bound else "no",
+                        "ops / vanilla": row.ops / vanilla.ops,
+                        "ops / checkpoint_blocks": row.ops / blocks.ops.iloc[0] if len(blocks) else None,
+                        "python ms": row["python ms"], "python bound": python_bound,
+                        "python ok": "" if peer else "yes" if row["python ms"] <= python_bound else "no",
+                        "python / vanilla": row["python ms"] / vanilla["python ms"]})
+    return pd.DataFrame(out)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m harness.bench.overhead", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_stem", type=Path)
+    parser.add_argument("--device", default="cpu", help=f"one of {', '.join(DEVICES)}")
+    parser.add_argument("--nets", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
+    parser.add_argument("--strategies", help="comma-separated strategy names (default: every one listed above)")
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps per cell")
+    args = parser.parse_args(argv)
+    if args.device not in DEVICES:
+        parser.error(f"--device {args.device!r}: the overhead is host time and ATen ops, which {args.device!r} "
+                     f"does not run; choose one of {', '.join(DEVICES)}")
+    net_names = args.nets.split(",")
+    unknown = [n for n in net_names if n not in SIZES]
+    if unknown:
+        parser.error(f"unknown net(s) {unknown}; choose from {', '.join(SIZES)}")
+    chosen = STRATEGIES if not args.strategies else [
+        (s, o) for s, o in STRATEGIES if s in args.strategies.split(",") or s == "vanilla"]
+    cells = [(net, strategy, options) for net in net_names for strategy, options in chosen]
+    rows, inapplicable = [], []
+    for net, strategy, options in tqdm(cells, desc="overhead", unit="cell"):
+        try:
+            rows.append(measure_cell(net, strategy, options, args.device, args.steps))
+        except strategies.Inapplicable as error:
+            inapplicable.append(f"- {net}, {label(strategy, options)}: {error}")
+    frame = table(pd.DataFrame(rows))
+    args.out_stem.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(args.out_stem.with_suffix(".csv"), index=False, float_format="%.4g")
+    command = "python -m harness.bench.overhead " + " ".join(argv if argv is not None else sys.argv[1:])
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    recomputing = frame[frame["recomputed calls"] > 0]
+    goals = (f"Goals: ops within the bound in {(recomputing['ops ok'] == 'yes').sum()} of {len(recomputing)} "
+             f"recomputing cells, Python within it in {(recomputing['python ok'] == 'yes').sum()}.")
+    args.out_stem.with_suffix(".md").write_text(
+        f"Made by `{command}` on {datetime.date.today()}, on {where}, eager; per step, {args.steps} profiled steps "
+        "after one warm-up. Bounds: ops at most vanilla's + the recomputed calls' own + 2 per recomputed call; "
+        "Python (host time outside ATen ops) at most 1.2x vanilla's + the recomputed calls' own, run plainly.\n\n"
+        f"{goals}\n\n" + frame.to_markdown(index=False, floatfmt=".4g") + "\n"
+        + ("\nNot run (no plan for the net):\n\n" + "\n".join(inapplicable) + "\n" if inapplicable else ""))
+    print(goals)
+    print(f"table: {args.out_stem}.md")
+
+
+if __name__ == "__main__":
+    main()

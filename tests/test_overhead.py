@@ -1,0 +1,24 @@
+"""The executor's host work: a recomputing step's ATen op calls stay within plain PyTorch's, plus its recomputed
+calls' own, plus two per recomputed call (NOTE [what a call needs, found once] in harness/execute.py). Op counts
+are deterministic, so the bound holds exactly here on the nets without state to copy (BatchNorm's running
+statistics cost three ops a buffer: ``results/overhead_cpu.md``)."""
+
+import pytest
+
+from harness.bench import overhead
+
+
+@pytest.mark.parametrize("net", ["vgg19", "gpt2", "vit_b_16"])
+def test_a_recomputing_step_runs_its_recomputed_calls_and_two_ops_each_besides_plain_pytorchs(net):
+    vanilla = overhead.measure_cell(net, "vanilla", {}, "cpu", steps=1)
+    for strategy, options in [("chen_sqrt", {}), ("approx_dp", {"mode": "mc"})]:
+        row = overhead.measure_cell(net, strategy, options, "cpu", steps=1)
+        assert row["recomputed calls"] > 0 and row["their ops"] > 0
+        bound = vanilla["ops"] + row["their ops"] + overhead.CALL_OPS * row["recomputed calls"]
+        assert row["ops"] <= bound, (strategy, row["ops"], bound)
+
+
+def test_the_overhead_benchmark_refuses_meta_naming_the_devices(capsys):
+    with pytest.raises(SystemExit):
+        overhead.main(["unused", "--device", "meta"])
+    assert "choose one of cpu, cuda" in capsys.readouterr().err
