@@ -100,6 +100,11 @@ def load_results(path: str | os.PathLike) -> pd.DataFrame:
 HOST_BOUND = 1.10  # a step whose wall time is above this times its GPU kernel time is host-bound
 
 
+DEVICE_TIME_NOTE = ("`GPU ms`: the GPU's kernel time in one step profiled after the timed ones (empty for rows "
+                    "measured before rows carried it); `GPU busy`: that over the wall time; `host-bound`: wall time "
+                    f"over {HOST_BOUND:g}x the kernel time.")
+
+
 def device_time(row) -> dict:
     """A timed cuda row's GPU side, for the tables beside its wall time: ``GPU ms`` (its kernels' time in one
     profiled step), ``GPU busy`` (that over the wall time) and ``host-bound`` ("yes" where the wall time is over

@@ -32,7 +32,7 @@ from tqdm import tqdm  # noqa: E402
 
 from harness.budget import parse_budget  # noqa: E402
 from harness.bench.max_batch import fits, run_within  # noqa: E402
-from harness.results import device_time, label  # noqa: E402
+from harness.results import DEVICE_TIME_NOTE, device_time, label  # noqa: E402
 
 BATCHES = {"resnet152": [16, 32, 48, 64, 96, 128, 160, 192, 224, 256], "pspnet": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}
 CURVES = [("vanilla", {}), ("approx_dp", {"mode": "tc"}), ("approx_dp", {"mode": "mc"}), ("chen_sqrt", {})]
@@ -190,7 +190,8 @@ def main(argv=None) -> None:
     args.out_stem.with_suffix(".md").write_text(
         f"Made by `{command}` on {datetime.date.today()}; {device_name}. Time: {axis_label}. A point fits when "
         f"its run is `ok` and its measured peak is within {memory / 1e9:g} GB; `vs vanilla line` is its time "
-        "over vanilla's straight-line fit at the same batch.\n\n"
+        "over vanilla's straight-line fit at the same batch." + (f" {DEVICE_TIME_NOTE}" if args.device == "cuda" else "")
+        + "\n\n"
         + "".join(f"- {line}\n" for line in claims) + "\n"
         + table.to_markdown(index=False, floatfmt=".3g") + "\n")
     print("\n".join(claims))

@@ -34,7 +34,7 @@ from tqdm import tqdm  # noqa: E402
 
 from harness.bench.figure3 import save_figure  # noqa: E402
 from harness.budget import parse_budget  # noqa: E402
-from harness.results import device_time, read_row, stored_path  # noqa: E402
+from harness.results import DEVICE_TIME_NOTE, device_time, read_row, stored_path  # noqa: E402
 from harness.run import run_cell  # noqa: E402
 
 NETS = {"resnet152": (128, 224), "pspnet": (8, 712), "gpt2": (8, 1024)}
@@ -236,7 +236,9 @@ def main(argv=None) -> None:
         f"Made by `{command}` on {datetime.date.today()}; {where}. {sizes}. Time: {axis_label}. `pareto`: no "
         "other point has both less memory and less time (on meta, swap is left out: the FLOPs do not count its "
         "copies). Swap's host link: the rows' `plan_host_bytes` each "
-        "way (`host GB`); on meta its copies cost no time here.\n\n"
+        "way (`host GB`); on meta its copies cost no time here."
+        + (f" {DEVICE_TIME_NOTE} `time / vanilla`, `GPU / vanilla`: over eager vanilla's." if args.device == "cuda"
+           else "") + "\n\n"
         "Each PyTorch peer point against the compiled `approx_dp` points:\n\n" + "\n".join(lines) + "\n\n"
         + table.to_markdown(index=False, floatfmt=".4g") + "\n")
     print("\n".join(lines))

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from harness import nets
 from harness.budget import parse_budget
 from harness.paper_numbers import TABLE1_GB
-from harness.results import device_time, label, read_row, stored_path
+from harness.results import DEVICE_TIME_NOTE, device_time, label, read_row, stored_path
 from harness.run import run_cell
 
 # (strategy, options), seed 004's columns first; options as the strategy configs give them.
@@ -240,7 +240,8 @@ def main(argv=None) -> None:
     lines = [f"Made by `{command}` on {datetime.date.today()}, device {device_name}, {platform.machine()}, "
              f"torch {torch_version}. A batch fits when its run is `ok` and its measured peak (parameters, "
              "gradients and the input batch included) is within the memory; `next batch` says why one more "
-             "does not.", "", wide.to_markdown(index=False), "", "## Every search", "",
+             "does not." + (f" At the largest batch: `step ms there`, the step's wall time; {DEVICE_TIME_NOTE}"
+                            if args.device == "cuda" else ""), "", wide.to_markdown(index=False), "", "## Every search", "",
              table.to_markdown(index=False, floatfmt=".2f"), ""]
     args.out_stem.parent.mkdir(parents=True, exist_ok=True)
     args.out_stem.with_suffix(".md").write_text("\n".join(lines))
