@@ -7,6 +7,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --editable '.[dev]'
 	touch $@
 
+# The DP kernels compiled into numba's cache (beside their source): a first solve loads them instead of
+# compiling for 20-30 s.
+KERNELS := strategies/__pycache__/.kernels-compiled
+$(KERNELS): strategies/dp_kernels.py $(VENV)/.installed
+	$(PY) -m strategies.dp_kernels
+	touch $@
+
 # The packages a GPU node without a registry lacks beside its torch, torchvision, timm, numba, pandas,
 # matplotlib and nvidia-ml-py (README: a GPU node without a registry), as wheels for Python 3.12 on x86-64.
 WHEELS := .whl
@@ -20,9 +27,9 @@ $(WHEELS)/.ready:
 .PHONY: run test wheels
 wheels: $(WHEELS)/.ready
 
-run: $(VENV)/.installed
+run: $(VENV)/.installed $(KERNELS)
 	$(PY) -m harness +net=resnet50 +strategy=vanilla
 
 # One worker per core, at most four (each holds a few GB); a file's tests share a worker, and its caches.
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(KERNELS)
 	$(PY) -m pytest -n auto --maxprocesses 4 --dist loadfile

@@ -13,24 +13,49 @@ before its supersets and no transition is missed.
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass
+
+from strategies import lower_set_dp
 from strategies.graph import Graph, words_of
-from strategies.lower_set_dp import Options, minimal_budget, prepare, solve_family
+from strategies.lower_set_dp import minimal_budget, prepare, solve_family
 from strategies.lower_sets import all_lower_set_words, principal_lower_sets
-from strategies.plan import Plan
+from strategies.plan import Plan, SolverTimeout
 from strategies.simulate import dp_view
 
 # Budgets are judged by the liveness replay (memory_model=paper: equation (2), seed 004's; NOTE [judging a
 # DP's budget] in lower_set_dp.py).
 BUDGET_LIVENESS = True
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Options(lower_set_dp.Options):
+    # Checked between the DP's passes over the family (a pass on millions of lower sets can outlast it);
+    # None: no limit.
+    time_limit_s: float | None = 600.0
 
 
 def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = None) -> Plan:
     options = options or Options()
-    family = all_lower_set_words(graph)
+    if options.time_limit_s is not None and options.time_limit_s <= 0:
+        raise ValueError(f"exact_dp: time_limit_s must be positive (or None: no limit), got {options.time_limit_s}")
+    start = time.perf_counter()
+    family, principal = all_lower_set_words(graph), principal_lower_sets(graph)
+    log.info("exact_dp: searching %s lower sets of %d nodes%s", f"{len(family):,}", len(graph),
+             f", for at most {options.time_limit_s:g} s" if options.time_limit_s is not None else "")
+
+    def check():
+        if options.time_limit_s is not None and time.perf_counter() - start > options.time_limit_s:
+            raise SolverTimeout(f"exact_dp: no plan within {options.time_limit_s:g} s over {len(family):,} lower "
+                                f"sets of {len(graph)} nodes; approx_dp solves the same problem over the "
+                                f"{len(principal)} principal lower sets (or raise time_limit_s)")
+
     # The approximate DP's chains are chains of the exact family: its minimal budget bounds the search.
-    approx = prepare(dp_view(graph, options.memory_model), words_of(principal_lower_sets(graph), len(graph)))
+    approx = prepare(dp_view(graph, options.memory_model), words_of(principal, len(graph)))
     upper = minimal_budget(approx) + sum(graph.param_bytes)
     plan = solve_family(graph, family, budget_bytes, options.mode, "exact_dp", upper_bytes=int(upper),
-                        memory_model=options.memory_model)
+                        memory_model=options.memory_model, check=check)
     plan.info["lower_sets"] = len(family)
     return plan

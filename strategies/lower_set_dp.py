@@ -113,7 +113,7 @@ def prepare(graph: Graph, words: np.ndarray) -> Table:
     return Table(words=words, sets=sets)
 
 
-def minimal_budget(table: Table, upper: float | None = None) -> float:
+def minimal_budget(table: Table, upper: float | None = None, check=None) -> float:
     """The least budget any chain of the family meets, exactly; ``upper``: a budget known to be feasible
     (default: one stage, 2 m(V)).
 
@@ -123,10 +123,12 @@ def minimal_budget(table: Table, upper: float | None = None) -> float:
     is usually close, by steps that double until one fails, and by bisection. Then one forward pass
     keeping the Pareto frontier of (peak so far, cache) per set gives the exact minimum; it slows with
     the slack of its budget, the top of the range, so it drops the states that a backward pass shows
-    cannot finish within it."""
+    cannot finish within it. ``check``, called before each pass, may stop the search (a time limit)."""
     reach = {}  # budget -> least cache per set, kept for the last pass
 
     def feasible(budget):
+        if check is not None:
+            check()
         reach[budget] = kernels.least_cache(table.sets, budget)
         return reach[budget][-1] < np.inf
 
@@ -191,10 +193,11 @@ def best_chain(table: Table, budget: float, mode: str) -> list[int] | None:
 
 
 def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode: str, strategy: str,
-                 upper_bytes: int | None = None, memory_model: str = "traced") -> Plan:
+                 upper_bytes: int | None = None, memory_model: str = "traced", check=None) -> Plan:
     """A plan from the best chain of the family ``words`` (see the module note and NOTE [judging a DP's
     budget]); ``None`` means the minimal budget. ``upper_bytes``, a budget known to be feasible (equation
-    (2)), prunes the search for the minimal one."""
+    (2)), prunes the search for the minimal one. ``check``, called before each pass over the family, may
+    stop the search (``exact_dp``'s time limit)."""
     if mode not in MODES:
         raise ValueError(f"{strategy}: unknown mode {mode!r}; valid modes: tc (time-centric, least overhead), "
                          "mc (memory-centric, most overhead)")
@@ -204,6 +207,8 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
     upper = None if upper_bytes is None else upper_bytes - param_grads
 
     def plan_within(budget: float) -> Plan | None:
+        if check is not None:
+            check()
         chain = best_chain(table, budget, mode) if budget >= 0 else None
         if chain is None:
             return None
@@ -214,12 +219,12 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
 
     if memory_model == "paper":  # seed 004's: the budget is equation (2)'s
         if budget_bytes is None:
-            return plan_within(minimal_budget(table, upper))
+            return plan_within(minimal_budget(table, upper, check))
         plan = plan_within(budget_bytes - param_grads)
         if plan is None:
-            raise InfeasibleBudget(budget_bytes, int(minimal_budget(table, upper)) + param_grads, strategy)
+            raise InfeasibleBudget(budget_bytes, int(minimal_budget(table, upper, check)) + param_grads, strategy)
         return plan
-    least, top = minimal_budget(table, upper), float(table.values[-1, kernels.KEY])
+    least, top = minimal_budget(table, upper, check), float(table.values[-1, kernels.KEY])
     if len(table) <= SMALL:  # equation (2) budget -> its plan
         scanned = _distinct_plans(plan_within, least, top)
     else:
@@ -229,7 +234,7 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
     minimal = min(scanned, key=lambda b: (replays[b].peak_bytes, replays[b].overhead_cost if mode == "tc" else b))
     plan, peak = scanned[minimal], replays[minimal].peak_bytes
     if counted is not graph or graph.loss_bytes:  # seed 004's count is another proxy
-        paper = solve_family(graph, words, None, mode, strategy, memory_model="paper")
+        paper = solve_family(graph, words, None, mode, strategy, memory_model="paper", check=check)
         paper_peak = simulate(graph, paper).peak_bytes
         if paper_peak < peak:
             paper.info.update(memory_model="traced", minimal_plan_from="paper")

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from strategies import Graph, InfeasibleBudget, Plan, simulate, solve
+from strategies import Graph, InfeasibleBudget, Plan, SolverTimeout, simulate, solve
 from strategies import dp_kernels as kernels
 from strategies.lower_set_dp import minimal_budget, prepare
 from strategies.lower_sets import all_lower_set_words, all_lower_sets, principal_lower_sets
@@ -195,3 +195,19 @@ def test_minimal_budget_on_a_real_net_is_tight(name):
     paper = solve(name, graph, memory_model="paper")
     assert dp_peak(graph, paper) == simulate(graph, paper, liveness=False).peak_bytes
 
+
+
+def test_exact_dp_says_what_it_will_search_and_keeps_its_time_limit(caplog):
+    from harness import nets
+    from harness.trace import trace
+
+    model, x, loss_fn = nets.build("resnet50", 2, 64, "meta")
+    graph = trace(model, x, loss_fn=loss_fn).graph
+    with caplog.at_level("INFO", logger="strategies.exact_dp"):
+        plan = solve("exact_dp", graph)
+    assert f"searching {plan.info['lower_sets']:,} lower sets of {len(graph)} nodes, for at most 600 s" in caplog.text
+    with pytest.raises(SolverTimeout, match="no plan within 1e-06 s over .* lower sets of .* nodes; approx_dp"):
+        solve("exact_dp", graph, time_limit_s=1e-6)
+    with pytest.raises(ValueError, match="time_limit_s must be positive"):
+        solve("exact_dp", graph, time_limit_s=0)
+    assert solve("exact_dp", graph, time_limit_s=None).stages == plan.stages
