@@ -9,7 +9,7 @@ its last forward use. Values the plan keeps are saved as usual, and the executor
 on to those that the recomputation of a later stage reads.
 
 In the backward pass, the first time the autograd engine unpacks a token of stage ``i``, all the
-recomputed nodes of stage ``i`` are run again, under ``no_grad``, from the kept values (seed 004's
+recomputed nodes of stage ``i`` are run again, under ``no_grad``, from the kept values (Kusumoto et al.'s
 canonical strategy, one stage at a time). Each recomputed value is dropped when its last token has been
 unpacked. Gradients flow through the graph built in the forward pass, so the loss and every gradient
 are those of plain PyTorch, and they land in ``.grad`` as with ``loss.backward()``.

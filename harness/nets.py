@@ -1,7 +1,7 @@
 """The model zoo, and any other model by name: ``build(name, batch_size=None, image_size=None, device="meta",
 **options) -> (model, example_input, loss_fn)``.
 
-Zoo nets are the seven networks of seed 004's Table 1 at its input and batch sizes (``PAPER_NETS``), and
+Zoo nets are the seven networks of Kusumoto et al.'s Table 1 at its input and batch sizes (``PAPER_NETS``), and
 two transformers. Models are built in training mode; on ``meta`` nothing is allocated. Choices where the
 paper's Chainer models cannot be had exactly:
 - ``pspnet``: segmentation-models-pytorch's PSPNet on a dilated ResNet-101 (all five encoder stages,
@@ -35,10 +35,10 @@ from torch.utils._pytree import tree_leaves
 @dataclass(frozen=True)
 class NetSpec:
     build_model: Callable[..., nn.Module]  # keyword options: the builder's own (``build(**options)``)
-    batch_size: int  # seed 004, Table 1, for its nets
+    batch_size: int  # Kusumoto et al. 2019, Table 1, for its nets
     image_size: int  # the input's side; for token inputs, the sequence length
-    paper_nodes: int | None = None  # #V of seed 004, Table 1
-    paper_vanilla_gb: float | None = None  # vanilla peak of seed 004, Table 1 (Chainer, K40c, parameters included)
+    paper_nodes: int | None = None  # #V of Kusumoto et al. 2019, Table 1
+    paper_vanilla_gb: float | None = None  # vanilla peak of Kusumoto et al. 2019, Table 1 (Chainer, K40c, parameters included)
     loss: str = "classification"  # a key of LOSSES
     input: str = "image"  # "image": (batch, channels, side, side) floats; "tokens": (batch, side) ids
     channels: int = 3
@@ -300,7 +300,7 @@ NETS = {
 }
 
 
-PAPER_NETS = ("pspnet", "unet", "resnet50", "resnet152", "vgg19", "densenet161", "googlenet")  # seed 004's
+PAPER_NETS = ("pspnet", "unet", "resnet50", "resnet152", "vgg19", "densenet161", "googlenet")  # Kusumoto et al.'s
 
 
 def available() -> list[str]:
@@ -335,7 +335,7 @@ def check_dtype(dtype: str) -> torch.dtype:
 
 def build(name: str, batch_size: int | None = None, image_size: int | None = None, device: str = "meta",
           dtype: str = "float32", **options):
-    """``(model, example_input, loss_fn)`` for net ``name``; sizes default to the net's (seed 004's for its
+    """``(model, example_input, loss_fn)`` for net ``name``; sizes default to the net's (Kusumoto et al.'s for its
     nets). A token input's loss is next-token cross-entropy against the input itself. The model and a
     float input are in ``dtype`` (``DTYPES``): a run trains in it, as a model cast with ``.to(dtype)`` does."""
     torch_dtype = check_dtype(dtype)

@@ -1,18 +1,23 @@
-"""Load the computational graphs seed 004 itself ran on (pfnet-research/recompute's dumps) into the IR.
+"""Load the computational graphs Kusumoto et al. 2019 itself ran on (pfnet-research/recompute's dumps) into the IR.
 
-Format: ``../shared/paper_graphs/README.md``. V is every variable some forward function produces (data,
-labels and parameters are dropped), an edge ``u -> w`` when ``u`` is an input of the function producing
-``w``, memory the variable's bytes, cost 10 when the producing class name starts with ``Conv`` else 1.
+Format (plain text): a line ``n m`` (variables, function records); n lines ``id bytes name`` (``_`` for an
+intermediate value, a path such as ``/predictor/conv3_2/W`` for a parameter); then m records, each a line
+``forward`` or ``backward``, a line ``k p``, k lines ``id name`` (inputs), p lines ``id`` (outputs) and the
+Chainer function's class name. V is every variable some forward function produces (data, labels and
+parameters are dropped), an edge ``u -> w`` when ``u`` is an input of the function producing ``w``, memory
+the variable's bytes, cost 10 when the producing class name starts with ``Conv`` else 1. The folder of the
+files is ``HARNESS_PAPER_GRAPHS``: they are the authors' data, not this project's, and are not shipped.
 """
 
 from __future__ import annotations
 
 import heapq
+import os
 from pathlib import Path
 
 from strategies import Graph
 
-DEFAULT_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "paper_graphs"
+ENVIRONMENT = "HARNESS_PAPER_GRAPHS"  # a folder holding the paper's cg_NAME.txt files
 NAMES = ("pspnet", "unet", "resnet50", "resnet152", "vgg19", "densenet", "googlenet")
 
 
@@ -62,7 +67,11 @@ def load(path: str | Path) -> Graph:
     return Graph(mem_bytes=mem, cost=cost, edges=edges, names=names)
 
 
-def available(directory: str | Path = DEFAULT_DIR) -> dict[str, Path]:
-    """The paper graphs present in ``directory`` (empty where the folder is absent)."""
+def available(directory: str | Path | None = None) -> dict[str, Path]:
+    """The paper graphs present in ``directory`` (default: ``$HARNESS_PAPER_GRAPHS``; empty where it is unset or
+    the folder is absent)."""
+    directory = directory or os.environ.get(ENVIRONMENT)
+    if not directory:
+        return {}
     directory = Path(directory)
     return {name: directory / f"cg_{name}.txt" for name in NAMES if (directory / f"cg_{name}.txt").exists()}

@@ -1,9 +1,9 @@
-"""Published figures of seed 004 (Kusumoto et al. 2019), Tables 1 and 2, to print beside ours; never a
+"""Published figures of Kusumoto et al. 2019, Tables 1 and 2, to print beside ours; never a
 measurement.
 
-Peak GB on a K40c (11.4 GB) with Chainer, parameters included (``../shared/spec/kusumoto.md`` section 9);
-Table 1 with liveness analysis, Table 2 (appendix C) without. Keys: (strategy, mode); ``chen_sqrt`` stands
-for the paper's "Chen's" column (its ``Chen.cpp`` is the sqrt(n) rule, spec section 8). In Table 2,
+Peak GB on a K40c (11.4 GB) with Chainer, parameters included; Table 1 with liveness analysis, Table 2
+(appendix C) without. Keys: (strategy, mode); ``chen_sqrt`` stands for the paper's "Chen's" column (the
+authors' ``Chen.cpp`` is the sqrt(n) rule). In Table 2,
 ``OUT_OF_MEMORY`` stands for the paper's "≥11.4": the run did not fit the K40c.
 """
 

@@ -50,7 +50,7 @@ def _flat(options: dict, prefix: str = "") -> list[tuple[str, object]]:
 
 
 def mode_of(options: dict) -> str:
-    """What tells a strategy's variants apart in tables: a DP's mode (and seed 004's memory model, where it
+    """What tells a strategy's variants apart in tables: a DP's mode (and Kusumoto et al.'s memory model, where it
     runs on it), or the plan swap runs on."""
     mode = options.get("mode") or (f"on {options['base']}" if options.get("base") else "")
     if options.get("memory_model") == "paper":

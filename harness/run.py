@@ -230,7 +230,7 @@ def _solve(row: dict, graph, static_bytes: int, zoo_options: dict):
 
 def _environment() -> dict:
     # A copy of the tree whose .git is not its own (a GPU node sent the working tree, with a stale .git) is
-    # told its commit: HARNESS_GIT_COMMIT="<hash>" or "<hash> dirty" (results/gpu_lease.sh reads .whl/COMMIT).
+    # told its commit: HARNESS_GIT_COMMIT="<hash>" or "<hash> dirty" (results/gpu_checks.sh reads .whl/COMMIT).
     told = os.environ.get("HARNESS_GIT_COMMIT", "").split()
     commit, dirty = (told[0], told[1:] == ["dirty"]) if told else (
         _git("rev-parse", "HEAD"), bool(_git("status", "--porcelain", "--untracked-files=no")))

@@ -120,7 +120,7 @@ reading what no plan kept), and other plans' peaks were 3-8% off. So for a CPU i
 CPU's own choice (``torch._fused_sdp_choice``, of empty tensors with the same sizes and strides) and runs
 that kernel on meta, whose saved tensors match the CPU's (tested). On meta, trace and tracker both run the
 math path. A CUDA input is still traced so: asking the GPU, and running flash or memory-efficient
-attention on meta as CUDA pads and masks them, is left for a session with a GPU to check against.
+attention on meta as CUDA pads and masks them, is left to check against on a GPU.
 
 NOTE [grad mode]
 torch.fx records calls, not the grad mode they ran in: a ``with torch.no_grad():`` block in a forward (an
@@ -197,7 +197,7 @@ model. So the trace runs the loss (and its backward) on meta, on the model's out
   forward: a squared error saves its input, so the output stays until the loss's backward is done, and
   if a plan discards it, the executor's token makes that backward recompute the output's stage;
 - what each output's gradient adds (``loss_grad_bytes``): a sum hands the output an expanded view of
-  the backward's seed, which adds nothing, where seed 004 counts a gradient the output's size; a view
+  the backward's seed, which adds nothing, where Kusumoto et al. 2019 counts a gradient the output's size; a view
   of another output's gradient adds nothing either; an output that is part of a value (a class token's
   row, ``x[:, 0]``) hands the value a new gradient of its whole, which the view's backward makes (left
   out, a class-token model's step was predicted 5% low);
@@ -206,7 +206,7 @@ model. So the trace runs the loss (and its backward) on meta, on the model's out
   and the seed, which ``loss.backward()`` holds until it returns), and what it holds when it first unpacks
   an output (``loss_unpack_bytes``: a mean's backward has made its gradient before a square's unpacks
   its input), on top of which a recomputation of that output's stage runs (left out, 4% low).
-Seed 004's model, every sink an output handed a gradient its own size and nothing read, missed a small
+Kusumoto et al.'s model, every sink an output handed a gradient its own size and nothing read, missed a small
 head's vanilla step by +14% under a sum and by -19% and -31% under squared errors
 (``tests/test_accounting.py``).
 
@@ -256,7 +256,7 @@ what it saved held to the step's end, an auxiliary head's step was predicted fro
 15% high (``chen_greedy``; ``tests/test_accounting.py``).
 
 NOTE [measured costs]
-Seed 004 weighs a convolution as 10 and any other layer as 1 (``cost_model=paper``); FLOPs weigh a
+Kusumoto et al. 2019 weighs a convolution as 10 and any other layer as 1 (``cost_model=paper``); FLOPs weigh a
 BatchNorm or a ReLU as nearly free, though on a GPU they take memory bandwidth and, eagerly, a launch each.
 ``cost_model=measured`` gives each IR node the time its members take to run, in milliseconds, on the
 device the cell runs on: the traced program runs under ``torch.no_grad`` (as a recomputation does,
@@ -727,7 +727,7 @@ def _loss_fields(output, loss_fn, node_of, n: int) -> dict:
                   loss_bytes=max(0, tracker.peak_bytes - output_bytes - made - held),
                   loss_unpack_bytes=max(0, unpacked[0] - output_bytes) if unpacked else 0)
     outputs = sorted({v for t in leaves if (v := node_of(t)) is not None})
-    if not outputs:  # the model returns no IR node's value: seed 004's sinks stand in, at full size
+    if not outputs:  # the model returns no IR node's value: Kusumoto et al.'s sinks stand in, at full size
         return fields
     return dict(fields, outputs=outputs, loss_grad_bytes=grad_bytes, loss_reads=sorted(reads))
 
@@ -1724,7 +1724,7 @@ def _kind(node: fx.Node, module: torch.nn.Module) -> str:
 def _cost(node: fx.Node, module: torch.nn.Module, cost_model: str, flop_count: int | None) -> float:
     if cost_model == "flops":
         return float(flop_count)
-    # Seed 004: 10 for a convolution, 1 for anything else (its Chainer class name starts with "Conv").
+    # Kusumoto et al. 2019: 10 for a convolution, 1 for anything else (its Chainer class name starts with "Conv").
     target = _target(node, module)
     is_conv = isinstance(target, _CONV_TYPES) and not isinstance(target, torch.nn.modules.conv._ConvTransposeNd)
     return 10.0 if is_conv or target in _CONV_FUNCTIONS else 1.0

@@ -7,7 +7,7 @@ a new module, a line in ``_MODULES`` and a config under ``configs/strategy/``. E
 ``BUDGET_LIVENESS``, which of the simulator's two memory models its budget is judged by: every strategy
 uses the liveness replay, which is how the real step frees (the DPs optimise equation (2), the ILP
 Checkmate's accounting, and each searches its own count's budget for the loosest plan whose replay fits;
-with ``memory_model=paper`` they are judged by their papers' counts, as seed 004 and Checkmate ran them).
+with ``memory_model=paper`` they are judged by their papers' counts, as Kusumoto et al. 2019 and Checkmate ran them).
 """
 
 from __future__ import annotations

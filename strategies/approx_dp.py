@@ -1,4 +1,4 @@
-"""``approx_dp``: seed 004's approximate DP (section 4.3): the exact DP restricted to the lower sets
+"""``approx_dp``: Kusumoto et al.'s approximate DP (section 4.3): the exact DP restricted to the lower sets
 ``L_v`` (``v`` with all its ancestors), plus ∅ and V.
 
 Same objective, modes (``tc``/``mc``) and budget meaning as ``exact_dp``; never better than it, since
@@ -12,7 +12,7 @@ from strategies.lower_set_dp import Options, solve_family
 from strategies.lower_sets import principal_lower_sets
 from strategies.plan import Plan
 
-# Budgets are judged by the liveness replay (memory_model=paper: equation (2), seed 004's; NOTE [judging a
+# Budgets are judged by the liveness replay (memory_model=paper: equation (2), Kusumoto et al.'s; NOTE [judging a
 # DP's budget] in lower_set_dp.py).
 BUDGET_LIVENESS = True
 

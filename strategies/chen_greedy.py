@@ -1,9 +1,9 @@
-"""``chen_greedy``: Chen et al. 2016's memory planning with a budget, Algorithm 3 (seed 003).
+"""``chen_greedy``: Chen et al. 2016's memory planning with a budget, Algorithm 3.
 
 Walking the nodes in topological order, the running size of the current segment grows by each output;
-at a split point (``lower_sets.split_points``, seed 004's Appendix B) where it exceeds the per-segment
-threshold, the segment ends there. The threshold is searched as memonger does
-(``../shared/spec/chen_checkmate.md`` section 3.5): three rounds from 0, each next threshold
+at a split point (``lower_sets.split_points``, Kusumoto et al.'s Appendix B) where it exceeds the per-segment
+threshold, the segment ends there. The threshold is searched as memonger (Chen et al.'s
+code) does: three rounds from 0, each next threshold
 ``sqrt(x·y/2)`` with ``x`` the bytes kept between segments and ``y`` the largest segment, then six points up
 to ``sqrt(2)`` times the last; the plan of least predicted peak (liveness replay, as memonger measured real
 memory) that fits ``budget_bytes`` wins. No split point: one segment. O(|V|) per threshold.

@@ -1,9 +1,9 @@
-"""``chen_sqrt``: Chen et al. 2016's sqrt(n) segmentation (seed 003), as seed 004 ran it.
+"""``chen_sqrt``: Chen et al. 2016's sqrt(n) segmentation, as Kusumoto et al. 2019 ran it.
 
 Candidate splits are the lower sets with a single boundary node (``lower_sets.split_points``), plus ∅ and
 V, ordered by memory; with ``k = max(floor(sqrt(#candidates)), 1)`` segments of about ``m(V) / k`` bytes
 each, a candidate is kept when its memory passes the next multiple of ``m(V) / k``
-(``../shared/spec/kusumoto.md`` section 8, ``Chen.cpp``). The kept sets are the chain of a canonical
+(as the authors' ``Chen.cpp`` does). The kept sets are the chain of a canonical
 strategy. No split point: one segment. The budget is only checked, by the liveness replay (as memonger
 measured real memory). O(|V| + |E|) after the ancestor sets.
 """

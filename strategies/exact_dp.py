@@ -1,8 +1,8 @@
-"""``exact_dp``: seed 004's exact dynamic programme over all lower sets (section 4.2, Algorithm 1).
+"""``exact_dp``: Kusumoto et al.'s exact dynamic programme over all lower sets (section 4.2, Algorithm 1).
 
 Finds, among all canonical strategies (chains of lower sets), the one of least overhead (``mode=tc``) or
 most overhead (``mode=mc``, section 4.4) whose equation (2) peak fits the budget; ``budget_bytes=None``
-takes the minimal feasible budget (computed exactly; seed 004's Table 1 bisected). The budget counts what
+takes the minimal feasible budget (computed exactly; Kusumoto et al.'s Table 1 bisected). The budget counts what
 ``simulate(graph, plan, liveness=False)`` counts. NOTE [the DP] in ``lower_set_dp.py`` has the details.
 Complexity O(|L_G|² · t(V)) in the worst case; the transitions that fit the budget are what costs (about
 80 million for the paper's GoogLeNet, 27,358 lower sets, at its minimal budget). |L_G| can grow
@@ -24,7 +24,7 @@ from strategies.lower_sets import all_lower_set_words, principal_lower_sets
 from strategies.plan import Plan, SolverTimeout
 from strategies.simulate import dp_view
 
-# Budgets are judged by the liveness replay (memory_model=paper: equation (2), seed 004's; NOTE [judging a
+# Budgets are judged by the liveness replay (memory_model=paper: equation (2), Kusumoto et al.'s; NOTE [judging a
 # DP's budget] in lower_set_dp.py).
 BUDGET_LIVENESS = True
 log = logging.getLogger(__name__)

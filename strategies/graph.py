@@ -1,9 +1,9 @@
-"""The graph IR every strategy works on (seed 004, section 3).
+"""The graph IR every strategy works on (Kusumoto et al. 2019, section 3).
 
 Nodes are *values* (tensors), numbered ``0..n-1`` in a topological order: node ``v`` is the output of one
 forward computation, with ``mem_bytes[v]`` the size of that output and ``cost[v]`` the cost of computing it.
 An edge ``(u, v)`` means that the computation of ``v`` reads ``u``. Graph inputs and parameters are not
-nodes (seed 004 leaves them out of V).
+nodes (Kusumoto et al. 2019 leaves them out of V).
 
 Sets of nodes are passed around as Python ints used as bitsets (bit ``v`` set means node ``v`` is in the
 set): unions, differences and subset tests are then single integer operations, which is what makes the
@@ -69,13 +69,13 @@ class Graph:
     """A computational graph of values.
 
     ``backward_reads[v]`` lists the nodes whose forward values the backward of ``v``'s computation reads
-    (its saved tensors); by default every predecessor, which is seed 004's model. A traced graph records
+    (its saved tensors); by default every predecessor, which is Kusumoto et al.'s model. A traced graph records
     what autograd really saves (a ReLU its output, an addition nothing). ``saved_extra_bytes[v]`` counts
     what that backward keeps besides node values (pooling indices, normalisation statistics), and
     ``param_bytes[v]`` the gradients of the parameters ``v`` is the last in the forward order to read,
     each parameter counted once; ``param_sharers[v]`` the other nodes that read them (a module applied
     several times, a tied embedding): the backward of whichever of them runs first makes those gradients.
-    Both default to zero (and no sharers), as in seed 004, which leaves parameters out of the model.
+    Both default to zero (and no sharers), as in Kusumoto et al. 2019, which leaves parameters out of the model.
     ``scopes[v]`` is the path of the module that computed ``v`` (``"layer1.0.conv1"``), when the graph was
     traced; strategies that follow a net's own blocks read it. ``flops[v]`` counts the floating-point operations
     of ``v``'s forward computation (traced graphs; hand-written ones default to ``cost``), for strategies that
@@ -88,7 +88,7 @@ class Graph:
     its input): a recomputation of that output's stage runs on top of it.
     ``loss_forward_bytes`` is what the loss's forward holds at its peak besides the outputs (a log-softmax
     over the vocabulary before the loss reduces it). ``outputs`` are the nodes whose values the model
-    returns (None, the default: every sink, as seed 004 has it); they stay until the loss has read them.
+    returns (None, the default: every sink, as Kusumoto et al. 2019 has it); they stay until the loss has read them.
     ``loss_grad_bytes[v]`` is what the gradient the loss hands output ``v`` adds to the device, which may
     be far less than the output: a sum hands each output an expanded view of its backward's seed, which
     adds nothing (None, the default: each output's value's size; zero for every other node).
@@ -100,7 +100,7 @@ class Graph:
     buffer of their own, as pairs ``(preds, nbytes)``: ``nbytes == -1``, they are ``v``'s own incoming
     gradient (an addition passes it on, a concatenation passes views of it); ``nbytes >= 0``, they share
     one new buffer of that size (an addition followed by an in-place ReLU). Every other predecessor gets
-    a buffer of its own size, as seed 004 assumes. A traced graph records what autograd really hands over.
+    a buffer of its own size, as Kusumoto et al. 2019 assumes. A traced graph records what autograd really hands over.
     ``backward_work_bytes[v]`` is the most the backward of ``v``'s layer holds in gradients it passes
     among its own autograd nodes (an in-place ReLU's gradient on its way to the convolution it follows),
     beside the gradient it received and those it hands on; zero on hand-written graphs.
@@ -144,7 +144,7 @@ class Graph:
     and they take one from elsewhere: a value ``v`` reads through ``.detach()`` (a straight-through
     estimator's ``z + (q - z).detach()``, a stop-gradient), or one it only follows (NOTE [state the forward
     writes] in ``harness/trace.py``); measured when the graph was traced with its loss, empty on hand-written
-    graphs, where every predecessor takes a gradient of its value's size, as seed 004 has it.
+    graphs, where every predecessor takes a gradient of its value's size, as Kusumoto et al. 2019 has it.
     ``shared_state[v]`` names the state ``v``'s layers use that other nodes use too, and that the forward
     pass uses in the program's order whatever the stages (the random generators, a buffer: a BatchNorm
     called on two views updates its running statistics in order): a node runs after every earlier one

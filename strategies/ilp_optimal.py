@@ -1,5 +1,5 @@
 """``ilp_optimal``: the optimal rematerialization schedule under a budget, Checkmate's MILP (Jain et al.
-2020; ``../shared/spec/chen_checkmate.md`` section 2.8), solved with HiGHS (``highspy``, the ``ilp`` extra).
+2020, section 4), solved with HiGHS (``highspy``, the ``ilp`` extra).
 
 Variables over the training graph of ``strategies/schedule.py`` (T = 2n nodes, T frontier-advancing
 stages): binaries R[t,i] (stage t computes i), S[t,i] (i is held on entry to t), FREE[t,i,k] (i is freed

@@ -1,12 +1,12 @@
 """``liveness_only``: no recomputation; every value and gradient freed right after its last use.
 
-Seed 000 (MXNet's memory note) and seed 002 (Caffe): plan memory by simulating reference counts over the
+MXNet's memory optimisation notes (Chen et al. 2016) and Caffe's memory-sharing notes: plan memory by simulating reference counts over the
 training step. The plan keeps every forward value, like ``vanilla``, and its figures come in ``info``:
-- ``naive_bytes``: keep everything, every forward value and every gradient (seed 004's model without
+- ``naive_bytes``: keep everything, every forward value and every gradient (Kusumoto et al.'s model without
   liveness, equation (2) for one stage);
 - ``liveness_peak_bytes``: the peak when each buffer is freed after its last use (``simulate``);
 - ``static_plan_bytes``: the size of a static memory plan over the same schedule, by MXNet's ``PlanMemory``
-  (``../shared/spec/swap_liveness.md`` section 2.1): buffers go into slots; a freed slot is reused by a
+  pass: buffers go into slots; a freed slot is reused by a
   later buffer of size within a factor ``match_range`` (best fit from above, else the largest smaller slot,
   grown); an elementwise computation writes in place into an input that dies there. The plan's size is
   the sum of its slots, which can exceed the liveness peak (a slot keeps its largest size).

@@ -1,4 +1,4 @@
-"""The dynamic programme over chains of lower sets (seed 004, sections 4.1-4.4), shared by the DPs.
+"""The dynamic programme over chains of lower sets (Kusumoto et al. 2019, sections 4.1-4.4), shared by the DPs.
 
 NOTE [the DP]
 A chain ``∅ = L_0 ⊊ L_1 ⊊ ... ⊊ L_k = V`` is built one lower set at a time; the state after ``L`` is
@@ -8,21 +8,21 @@ A chain ``∅ = L_0 ⊊ L_1 ⊊ ... ⊊ L_k = V`` is built one lower set at a ti
     t'          = t + t((L' \\ L) \\ ∂(L'))                                    (equation (1))
     m(U')       = m(U) + m(∂(L') \\ L)
 Lower sets are visited by memory, then size, so every subset comes before its supersets (the published
-DP.cpp visits them in discovery order and misses transitions: ``../shared/spec/kusumoto.md``, pitfall 6).
+DP.cpp visits them in discovery order and misses transitions whose target it found before their source).
 The supersets that can follow ``L`` from cache ``m(U)`` lie in a window of that order, since the stage
 peak is at least ``m(U) + 2 m(L' \\ L)``; within it, the sets holding every maximal node of ``L`` are
 found 64 at a time, as the AND of per-node rows of bits over the family.
 
 Per lower set, only Pareto-optimal states are expanded: for the time-centric objective (least overhead)
 a state is dropped when another has no more overhead and no more cache; for the memory-centric one (most
-overhead, seed 004 section 4.4) when another has no less overhead and no more cache. Both prunings are
+overhead, Kusumoto et al. 2019 section 4.4) when another has no less overhead and no more cache. Both prunings are
 exact for their objective, since a state's future depends on ``m(U)`` alone. On top of that (``best_chain``):
 a forward pass gives the least cache reaching each set, a backward pass the most cache that can still
 finish from it and bounds on the overhead still to come, and the Pareto pass drops the states that cannot
 finish or cannot beat a cutoff raised IDA*-style until V is reached. None of this drops a state of an
 optimal chain, so the result is the DP's optimum.
 
-The minimal feasible budget (seed 004's Table 1 runs at it) is computed exactly, where the paper bisected:
+The minimal feasible budget (Kusumoto et al.'s Table 1 runs at it) is computed exactly, where the paper bisected:
 the same forward pass with states (peak so far, cache), below a known feasible budget (one stage, or for
 the exact DP the approximate DP's minimum, often the answer itself, which one cheap pass then proves),
 once feasibility passes have narrowed the range.
@@ -34,7 +34,7 @@ means what it means for every other strategy, the liveness replay's peak (``simu
 gradients included). Equation (2) is only a proxy for the replay, and the replay is not monotone in it: a
 plan of fewer, larger stages, which equation (2) charges more, can peak lower once values die within a
 stage. So the minimal plan is the one of least replay among:
-- the plan at equation (2)'s minimum, on the traced count and on seed 004's (on ResNet-50 and PSPNet seed
+- the plan at equation (2)'s minimum, on the traced count and on Kusumoto et al.'s (on ResNet-50 and PSPNet seed
   004's gives the lower replay);
 - where the family has at most ``SMALL`` lower sets (small graphs, U-Net, VGG-19), the plans at equation
   (2) budgets up to one stage's, found by halving each interval whose ends give different plans, down to
@@ -45,7 +45,7 @@ stage. So the minimal plan is the one of least replay among:
 The minimal budget the DP reports is that plan's replay, and any budget at or above it is met. Within a
 budget the DP takes, of the scanned plans that fit and those of a bisection on equation (2)'s budget above
 the loosest scanned one that fits, the least overhead (tc) or the loosest equation (2) budget's (mc).
-Under ``memory_model=paper`` the budget is equation (2)'s, as seed 004 ran it (Table 2).
+Under ``memory_model=paper`` the budget is equation (2)'s, as Kusumoto et al. 2019 ran it (Table 2).
 
 The passes are compiled with numba (``dp_kernels.py``): sets are rows of 64-bit words there, and Python
 ints (bitsets) everywhere else. The two passes over every transition (least cache, backward) use every
@@ -72,9 +72,9 @@ MODES = ("tc", "mc")
 class Options:
     """Options of both DPs."""
 
-    mode: str = "tc"  # tc: least overhead within the budget; mc: most overhead within it (seed 004, 4.4)
+    mode: str = "tc"  # tc: least overhead within the budget; mc: most overhead within it (Kusumoto et al. 2019, 4.4)
     # traced: equation (2) counts each value with what its layer saves besides it, and the loss in the last
-    # stage; paper: seed 004's, values alone (NOTE [what equation (2) counts] in simulate.py)
+    # stage; paper: Kusumoto et al.'s, values alone (NOTE [what equation (2) counts] in simulate.py)
     memory_model: str = "traced"
 
 
@@ -217,7 +217,7 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
         assert equation_2_peak(counted, plan) <= budget, "bug: the DP's chain exceeds its budget"
         return plan
 
-    if memory_model == "paper":  # seed 004's: the budget is equation (2)'s
+    if memory_model == "paper":  # Kusumoto et al.'s: the budget is equation (2)'s
         if budget_bytes is None:
             return plan_within(minimal_budget(table, upper, check))
         plan = plan_within(budget_bytes - param_grads)
@@ -233,7 +233,7 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
     # The least replay; at equal peaks, tc's least overhead, mc's tightest equation (2) budget.
     minimal = min(scanned, key=lambda b: (replays[b].peak_bytes, replays[b].overhead_cost if mode == "tc" else b))
     plan, peak = scanned[minimal], replays[minimal].peak_bytes
-    if counted is not graph or graph.loss_bytes:  # seed 004's count is another proxy
+    if counted is not graph or graph.loss_bytes:  # Kusumoto et al.'s count is another proxy
         paper = solve_family(graph, words, None, mode, strategy, memory_model="paper", check=check)
         paper_peak = simulate(graph, paper).peak_bytes
         if paper_peak < peak:

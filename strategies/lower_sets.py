@@ -1,4 +1,4 @@
-"""Families of lower sets (seed 004, sections 3 and 4.3), as bitsets sorted by size."""
+"""Families of lower sets (Kusumoto et al. 2019, sections 3 and 4.3), as bitsets sorted by size."""
 
 from __future__ import annotations
 
@@ -26,14 +26,14 @@ def all_lower_sets(graph: Graph, limit: int = LIMIT) -> list[int]:
 
 
 def principal_lower_sets(graph: Graph) -> list[int]:
-    """``{L_v : v ∈ V} ∪ {∅, V}``, ``L_v`` being ``v`` with all its ancestors (seed 004, section 4.3)."""
+    """``{L_v : v ∈ V} ∪ {∅, V}``, ``L_v`` being ``v`` with all its ancestors (Kusumoto et al. 2019, section 4.3)."""
     family = {0, graph.all_nodes, *graph.ancestor_mask}
     return sorted(family, key=lambda s: (s.bit_count(), s))
 
 
 def split_points(graph: Graph) -> list[int]:
     """Nodes ``v`` that alone separate what comes before from what comes after: ``∂(L_v) = {v}``, the
-    lower-set form of an articulation point (seed 004, Appendix B). In node order; their ``L_v`` are nested."""
+    lower-set form of an articulation point (Kusumoto et al. 2019, Appendix B). In node order; their ``L_v`` are nested."""
     points, previous = [], 0
     for v in range(len(graph)):
         lower = graph.ancestor_mask[v]

@@ -43,7 +43,7 @@ class Plan:
     """A recomputation plan on a ``Graph``.
 
     ``stages`` are the sets ``V_1..V_k`` (bitsets), the differences of an increasing chain of lower sets
-    ``L_1 ⊊ ... ⊊ L_k = V`` (seed 004, section 3). ``kept`` holds the nodes whose forward value survives
+    ``L_1 ⊊ ... ⊊ L_k = V`` (Kusumoto et al. 2019, section 3). ``kept`` holds the nodes whose forward value survives
     from the forward pass to the backward pass; every other node is freed after its last forward use and
     recomputed, stage by stage, in the backward pass. ``swapped`` (a subset of ``kept``) holds the kept
     values copied to host memory after their last forward use and copied back for the backward pass;
@@ -72,7 +72,7 @@ class Plan:
                     kept: Iterable[int] | int | None = None, budget_bytes: int | None = None,
                     solve_time_s: float = 0.0, info: dict[str, float] | None = None,
                     checkpointed: int = 0) -> "Plan":
-        """A plan from its stages; ``kept`` defaults to the canonical cache ``U_k`` (seed 004)."""
+        """A plan from its stages; ``kept`` defaults to the canonical cache ``U_k`` (Kusumoto et al. 2019)."""
         masks = tuple(s if isinstance(s, int) else bits(s) for s in stages)
         if kept is None:
             kept_mask = canonical_cache(graph, masks)
@@ -161,7 +161,7 @@ class Plan:
 
 
 def canonical_cache(graph: Graph, stages: tuple[int, ...]) -> int:
-    """``U_k``: the union of the boundaries ``∂(L_i)`` of the chain (seed 004's canonical strategy)."""
+    """``U_k``: the union of the boundaries ``∂(L_i)`` of the chain (Kusumoto et al.'s canonical strategy)."""
     cache = 0
     for lower, later in graph.frontiers(stages):
         cache |= lower & graph.in_neighbours(later)  # ∂(L_i)

@@ -1,4 +1,4 @@
-"""Checkmate's schedules (``../shared/spec/chen_checkmate.md`` section 1): the training step as an explicit
+"""Checkmate's schedules (Jain et al. 2020): the training step as an explicit
 graph of 2n nodes, a schedule as the matrices R and S over it, and its memory by Checkmate's accounting.
 
 The training graph of an IR ``Graph`` with n nodes: node ``v < n`` is the forward of IR node ``v``; node
@@ -13,7 +13,7 @@ recompute earlier ones. ``computed[t]`` (a bitset: R's row) is what stage t comp
 ``held[t]`` (S's row) is what is in memory on entry to stage t. Memory (``peak``) is Checkmate's ILP
 accounting: on entry, the held values; computing node k adds its output; after it, an input i of k is freed
 when no later node of the stage reads i and stage t+1 does not hold it. Parameter gradients are a constant
-the caller adds, as for seed 004's model.
+the caller adds, as for Kusumoto et al.'s model.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def cost(tg: TrainingGraph, computed: tuple[int, ...]) -> float:
 def from_plan(graph: Graph, plan: Plan, loss_reads_outputs: bool = True) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(R, S) of a stage plan: the forward in node order; in the backward, the first backward that reads a
     discarded value of plan stage s (or needs what a discarded layer saves besides it) recomputes stage s's
-    discarded nodes that it or a later backward needs, and those they are made from (seed 004's canonical
+    discarded nodes that it or a later backward needs, and those they are made from (Kusumoto et al.'s canonical
     strategy as the executor runs it, NOTE [what a recomputation makes]); every value is held
     from its computation to its last reader. A plan with ``checkpointed`` stages is refused: a schedule holds
     one copy of a value, while ``torch.utils.checkpoint`` rebuilds a block's kept output beside the original

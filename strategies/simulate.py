@@ -1,7 +1,7 @@
 """The one simulator every strategy is judged by: a plan's peak memory and recomputation overhead.
 
 NOTE [two memory models]
-``liveness=False`` is seed 004's model as written (``../shared/spec/kusumoto.md`` section 2): the peak of
+``liveness=False`` is Kusumoto et al.'s model as written (their equation (2)): the peak of
 equation (2) over the stages, with term (ii) counted twice (forward values and gradients of the whole
 stage) and terms (iii) and (iv) taken at the new lower set. For plans that keep more than the canonical
 cache (``vanilla`` keeps everything) term (i) is the kept memory of the earlier stages, which is
@@ -10,20 +10,20 @@ hand-written graphs) are added as a constant, so the two models count the same t
 besides node values (``saved_extra_bytes``) is not in the paper's model and not in this one.
 
 NOTE [what equation (2) counts]
-Seed 004 sizes a node by its value alone. A traced layer holds more: what its backward saves besides node
+Kusumoto et al. 2019 sizes a node by its value alone. A traced layer holds more: what its backward saves besides node
 values (``saved_extra_bytes``: an attention's weights and dropout mask, pooling indices, the input an
 in-place op saves), from its forward (or recomputation) to its backward, exactly as long as the value a
 recomputation would rebuild; and the loss holds its own buffers (a language model's log-softmax over the
 vocabulary, ``loss_bytes``) while the last stage's values are live. The DPs' ``memory_model=traced``
 (default) runs equation (2) on ``dp_view(graph, "traced")``: each node sized by its value plus what its
-layer saves, and the loss's buffers in the last stage's peak; ``memory_model=paper`` is seed 004's, values
+layer saves, and the loss's buffers in the last stage's peak; ``memory_model=paper`` is Kusumoto et al.'s, values
 alone (Table 2 and the paper's own graphs, which record neither, are the same under both). Counted this
 way, the DP sees that recomputing an attention layer's stage brings back its weights, and that what it
 keeps until the loss runs is held beside the loss's buffers (on ViT-B/16 and GPT-2 its plans were worse
 than one checkpoint per block without it).
 
 ``liveness=True`` replays the step the executor (``harness.execute``) really runs, value by value, and
-frees every value and gradient right after its last use (seed 004's liveness pass, which is also what
+frees every value and gradient right after its last use (Kusumoto et al.'s liveness pass, which is also what
 PyTorch's reference-counted autograd does):
 - forward, stage by stage (``V_1`` first, node order within a stage): a value lives until its last
   forward reader (an output, ``Graph.outputs``, until the loss's forward), and then on into the backward
@@ -69,7 +69,7 @@ counted by Checkmate's accounting (``liveness=False``, ``strategies/schedule.py`
 analyses (the static memory plan of ``liveness_only``) read the very schedule the peak came from.
 
 NOTE [what a recomputation makes]
-Seed 004's canonical strategy recomputes a stage's discarded values all at once, when the first backward
+Kusumoto et al.'s canonical strategy recomputes a stage's discarded values all at once, when the first backward
 that needs one of them runs. By then the backwards of some of them may have run already (a stage's last
 layers read only kept values: a classifier reading the kept pooled features, a language model's head
 reading the last block's output): no later backward reads those values, and their layers'
@@ -179,7 +179,7 @@ class Step:
 
 
 def simulate(graph: Graph, plan: Plan, liveness: bool = True) -> Prediction:
-    """Predict ``plan``'s peak bytes and its overhead in cost units (seed 004, equations (1) and (2))."""
+    """Predict ``plan``'s peak bytes and its overhead in cost units (Kusumoto et al. 2019, equations (1) and (2))."""
     if plan.schedule is not None:
         training = schedule.training_graph(graph)
         computed, held = plan.schedule
@@ -214,7 +214,7 @@ def step_flops(graph: Graph, plan: Plan) -> float:
 
 def swap_step_time(graph: Graph, plan: Plan, bandwidth_bytes_per_s: float, flops_per_s: float) -> dict[str, float]:
     """The step-time lower bound of a plan that swaps: max(compute, bytes out / bandwidth, bytes in /
-    bandwidth), with its three terms, in seconds (``../shared/spec/swap_liveness.md`` section 3.4)."""
+    bandwidth), with its three terms, in seconds (Meng et al. 2017's overlap of copies and compute)."""
     compute = step_flops(graph, plan) / flops_per_s
     moved = graph.mem(plan.swapped) / bandwidth_bytes_per_s
     return {"compute_s": compute, "swap_out_s": moved, "swap_in_s": moved, "step_time_bound_s": max(compute, moved)}
@@ -245,7 +245,7 @@ def peak_of(steps: list[Step]) -> int:
 
 def equation_2_peak(graph: Graph, plan: Plan) -> int:
     """Equation (2) on ``graph``'s node sizes; the last stage, which holds the output while the loss runs,
-    also holds ``graph.loss_bytes`` (zero in seed 004's model: ``dp_view``)."""
+    also holds ``graph.loss_bytes`` (zero in Kusumoto et al.'s model: ``dp_view``)."""
     peak, cached_before = 0, 0  # term (i): the kept values of the stages before; swapped ones are on the host
     last = len(plan.stages) - 1
     for i, (stage, (lower, later)) in enumerate(zip(plan.stages, graph.frontiers(plan.stages))):  # later: δ⁺(L_i) \ L_i

@@ -1,9 +1,9 @@
-"""``swap``: offload activations to host memory (Meng et al. 2017, seed 001), alone or on a recomputation plan.
+"""``swap``: offload activations to host memory (Meng et al. 2017, Meng et al. 2017), alone or on a recomputation plan.
 
 A value kept for the backward pass is copied to the host after its last forward use and copied back
 before the first backward that reads it, instead of being recomputed. The plan starts from ``base`` (a
 strategy's plan at its own default budget; none: ``vanilla``, everything kept) and decides:
-- which values go, by seed 001's rule: walking the forward pass from the loss backwards, the short-lived
+- which values go, by Meng et al.'s rule: walking the forward pass from the loss backwards, the short-lived
   values near the loss stay on the device and the long-lived ones are swapped first. So the swapped set
   is the first ``m`` candidates in forward order, with ``m`` the least that meets the budget (bisected;
   ``budget=None`` swaps every candidate: the least memory swap reaches). Candidates are kept values that

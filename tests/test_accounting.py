@@ -1,4 +1,4 @@
-"""One accounting (issue 15): the simulator's replay is the step the executor runs, byte for byte on meta."""
+"""One accounting: the simulator's replay is the step the executor runs, byte for byte on meta."""
 
 import functools
 import itertools
@@ -122,7 +122,7 @@ LOSSES = {  # name -> (loss, whether its backward reads the output)
 def test_the_replay_holds_what_the_loss_holds(loss):
     # NOTE [the loss] in harness/trace.py: the outputs stay until the loss has read them, an output the
     # loss's backward reads stays (or comes back) until that backward is done, and each output's gradient
-    # is what the loss really hands it. Seed 004's model (each output handed a gradient its own size,
+    # is what the loss really hands it. Kusumoto et al.'s model (each output handed a gradient its own size,
     # nothing read) missed vanilla by +14% on the sum, -19% on the squared error, -31% on mse_loss.
     loss_fn, reads = LOSSES[loss]
     model, x = WideHead().to("meta"), torch.empty(256, 16, device="meta")

@@ -1,4 +1,4 @@
-"""Chen et al.'s strategies (seed 003) on graphs worked out by hand."""
+"""Chen et al. 2016's strategies on graphs worked out by hand."""
 
 import math
 

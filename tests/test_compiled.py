@@ -412,7 +412,7 @@ def test_a_compiled_step_on_meta_holds_the_output_and_its_gradient_as_long_as_th
 
 
 def test_the_frontier_runs_the_points_asked_for_and_reads_them_back(tmp_path):
-    """``--strategies``, ``--ratios`` and ``--dp-budgets`` pick the points (what a short GPU lease runs);
+    """``--strategies``, ``--ratios`` and ``--dp-budgets`` pick the points (what a short turn on a GPU runs);
     each peer point gets a dominance line, and the table drawn again from the rows alone is the same."""
     from harness.bench import frontier
 

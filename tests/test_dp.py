@@ -23,11 +23,11 @@ def small_dags(draw, max_nodes=7):
     return Graph(mem_bytes=mem, cost=cost, edges=edges)
 
 
-PAPER = {"memory_model": "paper"}  # the DP's own contract: budgets are equation (2)'s (seed 004)
+PAPER = {"memory_model": "paper"}  # the DP's own contract: budgets are equation (2)'s (Kusumoto et al. 2019)
 
 
 def every_chain(graph):
-    """(peak, overhead) of every canonical strategy, by seed 004's model (enumerated without the DP)."""
+    """(peak, overhead) of every canonical strategy, by Kusumoto et al.'s model (enumerated without the DP)."""
     family = all_lower_sets(graph)
     out = []
 
@@ -176,14 +176,14 @@ def test_minimal_budget_on_a_real_net_is_tight(name):
     from harness.trace import trace
     from strategies.simulate import dp_peak
 
-    # GPT-2: layers that save much besides their values, a big loss; ResNet-50: a net where seed 004's count
+    # GPT-2: layers that save much besides their values, a big loss; ResNet-50: a net where Kusumoto et al.'s count
     # gives the lower minimal plan, which the default then takes.
     for net, side in (("gpt2", 64), ("resnet50", 64)):
         model, x, loss_fn = nets.build(net, 2, side)
         graph = trace(model, x, loss_fn=loss_fn).graph
         assert graph.loss_bytes > 0 and any(graph.saved_extra_bytes)
         # The default judges a budget as every strategy does, by the liveness replay (NOTE [judging a DP's
-        # budget]); seed 004's by equation (2).
+        # budget]); Kusumoto et al.'s by equation (2).
         judged = {"traced": lambda plan: simulate(graph, plan).peak_bytes,
                   "paper": lambda plan: dp_peak(graph, plan)}
         for memory_model, peak in judged.items():
@@ -191,7 +191,7 @@ def test_minimal_budget_on_a_real_net_is_tight(name):
             assert peak(solve(name, graph, least, memory_model=memory_model)) <= least
             with pytest.raises(InfeasibleBudget, match=f"minimal feasible budget is {least} bytes"):
                 solve(name, graph, least - 1, memory_model=memory_model)
-    # Seed 004's model is equation (2) on values alone: the row's no-liveness prediction.
+    # Kusumoto et al.'s model is equation (2) on values alone: the row's no-liveness prediction.
     paper = solve(name, graph, memory_model="paper")
     assert dp_peak(graph, paper) == simulate(graph, paper, liveness=False).peak_bytes
 

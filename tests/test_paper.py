@@ -90,7 +90,7 @@ def test_a_device_search_starts_from_metas_answer(monkeypatch, tmp_path):
 
 
 def test_a_search_replayed_over_rows_it_lacks_says_so(tmp_path):
-    """``--from-rows`` over a lease cut short: a search whose probes were not all run is a row that says which
+    """``--from-rows`` over a GPU run cut short: a search whose probes were not all run is a row that says which
     is missing, and the rest of the table is drawn."""
     max_batch.main([str(tmp_path / "mb"), "--nets", "vgg19", "--strategies", "vanilla", "--memory", "2GB",
                     "--rows", str(tmp_path / "none"), "--from-rows"])
@@ -135,7 +135,7 @@ def test_figure3_on_meta(tmp_path):
     mc = drawn[drawn.curve == "approx_dp (mc)"].set_index("batch").time
     both = tc.index.intersection(mc.index)
     assert len(both) and (mc[both] >= tc[both] - 1e-9).all()
-    # Seed 004's claim, stated in the table: tc over Chen's at twice vanilla's largest fitting batch.
+    # Kusumoto et al.'s claim, stated in the table: tc over Chen's at twice vanilla's largest fitting batch.
     twice = 2 * vanilla.batch.max()
     chen = drawn[drawn.curve == "chen_sqrt"].set_index("batch").time
     line, = figure3.tc_against_chen(table)
@@ -167,7 +167,7 @@ def test_table_sweeps_write_tables_beside_the_paper(tmp_path):
                     f"results_dir={rows_dir}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     rows = load_results(rows_dir)
-    assert len(rows) == 5  # vanilla not measured twice; the DPs again, on seed 004's memory model
+    assert len(rows) == 5  # vanilla not measured twice; the DPs again, on Kusumoto et al.'s memory model
     no_liveness = pd.read_csv(tmp_path / "results" / "table2.csv").set_index("strategy")
     vanilla = rows[rows.strategy == "vanilla"].iloc[0]
     paper_model = rows.options.map(lambda o: o.get("memory_model")) == "paper"

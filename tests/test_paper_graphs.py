@@ -1,4 +1,5 @@
-"""The paper's own graphs (../shared/paper_graphs), when present: sizes and lower sets as seed 004 reports."""
+"""The paper's own graphs (a folder of them named by HARNESS_PAPER_GRAPHS): sizes and lower sets as Kusumoto et
+al. 2019 reports."""
 
 import pytest
 
@@ -7,9 +8,9 @@ from strategies import simulate, solve
 from strategies.lower_sets import all_lower_sets, split_points
 
 GRAPHS = paper_graphs.available()
-pytestmark = pytest.mark.skipif(not GRAPHS, reason="../shared/paper_graphs is absent")
+pytestmark = pytest.mark.skipif(not GRAPHS, reason=f"no paper graphs: set {paper_graphs.ENVIRONMENT} to a folder of them")
 
-# #V of seed 004's Table 1; lower sets and Chen's candidates (with ∅ and V) from ../shared/spec/kusumoto.md.
+# #V of Kusumoto et al.'s Table 1; lower sets and Chen's candidates (with ∅ and V) as the authors' code counts them.
 EXPECTED = {"vgg19": (46, 47, 47), "resnet50": (176, 241, 41), "unet": (60, 331, 12),
             "densenet": (568, 569, 101), "resnet152": (516, 581, 109), "pspnet": (385, 12533, 72),
             "googlenet": (134, 27358, 19)}

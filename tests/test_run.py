@@ -66,7 +66,7 @@ def test_a_run_writes_one_row(tmp_path):
 
 
 def test_a_copy_whose_git_is_stale_is_told_its_commit(monkeypatch):
-    """A GPU node gets the working tree with a stale .git: the lease tells the rows the commit it was sent at."""
+    """A GPU node gets the working tree with a stale .git: the script that sends it tells the rows the commit it was sent at."""
     from harness.run import cell_row
 
     here = cell_row("resnet50", "vanilla")

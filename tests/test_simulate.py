@@ -20,7 +20,7 @@ def chain(n=3) -> Graph:
 
 
 def test_kusumoto_worked_chain():
-    # ../shared/spec/kusumoto.md section 2: a -> b -> c, all m = t = 1.
+    # Kusumoto et al. 2019's worked chain: a -> b -> c, all m = t = 1.
     g = chain()
     plan = Plan.from_stages(g, [[0], [1], [2]])
     assert members(plan.kept) == [0, 1] and members(plan.recomputed) == [2]

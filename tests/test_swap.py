@@ -1,4 +1,4 @@
-"""swap (seed 001): the plan meets its budget by swapping, the executor moves exactly what the plan says and
+"""swap (Meng et al. 2017): the plan meets its budget by swapping, the executor moves exactly what the plan says and
 the measured peak follows the prediction; gradients equal vanilla's (tests/test_executor.py, every zoo net)."""
 
 from pathlib import Path

@@ -1,7 +1,7 @@
 """The drivers that write ``results/``: each a ``python -m harness.bench.NAME`` command that runs cells
 (``harness.run.run_cell``) or reads their rows and writes a table, a figure or both.
 
-``report`` (the tables of rows), ``figure3`` and ``max_batch`` (seed 004's Figure 3 and the largest
+``report`` (the tables of rows), ``figure3`` and ``max_batch`` (Kusumoto et al.'s Figure 3 and the largest
 batches), ``fidelity`` (predicted against measured peaks), ``peers`` (every strategy beside the ILP),
-``solvers`` (DP solve times), ``swap`` (seed 001's table), ``coverage`` (every torchvision model) and
+``solvers`` (DP solve times), ``swap`` (Meng et al.'s table), ``coverage`` (every torchvision model) and
 ``frontier`` (memory against step time, eager and compiled)."""

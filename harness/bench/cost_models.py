@@ -1,6 +1,6 @@
 """What the cost model changes: ``python -m harness.bench.cost_models OUT_STEM [--device cpu|cuda]``.
 
-Seed 004's time-centric DP keeps, within the budget, the plan whose recomputations cost least, by a cost
+Kusumoto et al.'s time-centric DP keeps, within the budget, the plan whose recomputations cost least, by a cost
 model: ``paper`` (10 per convolution, 1 per other layer), ``flops``, or ``measured`` (each layer's forward
 timed on the device; NOTE [measured costs] in ``harness/trace.py``). For one net: ``vanilla``, then
 ``approx_dp`` tc at ``--points`` budgets spread from its minimum towards vanilla's peak (vanilla's peak
@@ -101,7 +101,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     net, batch, side = SIZES[args.device]
     args.net = args.net or net
-    if args.net != net:  # the net's own sizes (seed 004's), named so that --from-rows finds its rows
+    if args.net != net:  # the net's own sizes (Kusumoto et al.'s), named so that --from-rows finds its rows
         batch, side = nets.spec(args.net).batch_size, nets.spec(args.net).image_size
     args.batch, args.side = args.batch or batch, args.side or side
     cost_models = args.cost_models.split(",")

@@ -1,6 +1,6 @@
 """Does a prediction hold? ``python -m harness.bench.fidelity OUT_STEM [--rows DIR] [--nets a,b]``.
 
-Every strategy that makes a plan in the IR, on the seven nets of seed 004 at its batch and at four times
+Every strategy that makes a plan in the IR, on the seven nets of Kusumoto et al. 2019 at its batch and at four times
 it, and on the zoo's two transformers (ViT-B/16, GPT-2) at their batch and four times it, on ``meta``: the
 simulator's predicted peak beside the tracker's measured one, and their gap (``(measured - predicted) /
 measured``). Strategies that take a budget (the tc DPs, ``chen_greedy``,

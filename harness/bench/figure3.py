@@ -1,4 +1,4 @@
-"""Seed 004's Figure 3, step time against batch size: ``python -m harness.bench.figure3 OUT_STEM [--device cuda]``.
+"""Kusumoto et al.'s Figure 3, step time against batch size: ``python -m harness.bench.figure3 OUT_STEM [--device cuda]``.
 
 Per net (ResNet-152 and PSPNet by default), over batch sizes beyond vanilla's largest, on a device of
 ``--memory`` (11.4 GB, the paper's K40c): ``vanilla`` where it fits, with its straight-line fit extended
@@ -75,7 +75,7 @@ def with_extrapolation(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def tc_against_chen(table: pd.DataFrame) -> list[str]:
-    """Per net, seed 004's claim tested: at twice vanilla's largest fitting batch, ``approx_dp`` (tc)'s time
+    """Per net, Kusumoto et al.'s claim tested: at twice vanilla's largest fitting batch, ``approx_dp`` (tc)'s time
     over ``chen_sqrt``'s (the paper: tc 1.16x faster, a ratio of 0.86)."""
     lines = []
     for net, group in table.groupby("net"):

@@ -79,7 +79,7 @@ class Cells:
 
 def net_points(cells: Cells, dp_points: int, swap_points: int, strategies=None, ratios=RATIOS,
                dp_budgets=None) -> None:
-    """Every point of one net, this project's own first (so that a short GPU lease measures those before
+    """Every point of one net, this project's own first (so that a short turn on a GPU measures those before
     the peers); ``strategies`` (default: all) picks which run, ``dp_budgets`` (bytes) replaces approx_dp's
     ``dp_points`` spread from its minimum to vanilla's peak."""
     def wanted(strategy):

@@ -1,10 +1,10 @@
 """The largest batch each strategy fits in a stated device memory: ``python -m harness.bench.max_batch OUT_STEM``.
 
-For every net and strategy, and each memory (``--memory 11.4GB,80GB``: seed 004's K40c and an H100), the
+For every net and strategy, and each memory (``--memory 11.4GB,80GB``: Kusumoto et al.'s K40c and an H100), the
 largest batch whose run fits: status ``ok`` and a measured peak within the memory. A strategy that can
 trade time for memory gets the memory as its budget (the time-centric DPs, the budget greedy, swap), less
 the device reserve a first run measured (``run_within``); the memory-centric DPs run at their minimal budget
-(seed 004, section 5.1), and the others as they are. The
+(Kusumoto et al. 2019, section 5.1), and the others as they are. The
 search starts from a guess (the paper's batch scaled by the memory left over, from a measured first run),
 gallops to a bracket and bisects; every probe is a real run whose row lands in ``--rows``, so a killed
 search resumes from the rows already there. Writes ``OUT_STEM.md`` and ``.csv``.
@@ -38,7 +38,7 @@ from harness.paper_numbers import TABLE1_GB
 from harness.results import DEVICE_TIME_NOTE, device_time, label, read_row, stored_path
 from harness.run import run_cell
 
-# (strategy, options), seed 004's columns first; options as the strategy configs give them.
+# (strategy, options), Kusumoto et al.'s columns first; options as the strategy configs give them.
 STRATEGIES = [("vanilla", {}), ("liveness_only", {}), ("chen_sqrt", {}), ("chen_greedy", {}),
               ("approx_dp", {"mode": "tc"}), ("approx_dp", {"mode": "mc"}), ("exact_dp", {"mode": "tc"}),
               ("exact_dp", {"mode": "mc"}), ("swap", {})]
@@ -181,7 +181,7 @@ def _search_row(net: str, strategy: str, options: dict, memory: int, device: str
 
 def replayed(net: str, strategy: str, options: dict, memory: int, args, progress: tqdm) -> dict:
     """``search``'s row; replayed over stored rows (``--from-rows``), a search whose probes were not all run (a
-    lease cut short) is a row that says so, and the table is drawn from the rest."""
+    GPU run cut short) is a row that says so, and the table is drawn from the rest."""
     try:
         return search(net, strategy, options, memory, args.device, args.rows, progress, args.from_rows,
                       args.guess_from, args.timed_steps)

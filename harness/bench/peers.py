@@ -1,6 +1,6 @@
 """Every strategy and PyTorch peer beside the optimum: ``python -m harness.bench.peers OUT_STEM``.
 
-For each zoo net at seed 004's sizes and each strategy (at its default budget, the DPs at their minimum):
+For each zoo net at Kusumoto et al.'s sizes and each strategy (at its default budget, the DPs at their minimum):
 the measured peak and reduction against vanilla, read from the result rows (``--rows``, made by ``python -m
 harness sweep=strategies`` and ``sweep=strategies_mc``); the peak and overhead the simulator predicts; and
 ``ilp_optimal``'s overhead within that same predicted peak, judged by the same replay (NOTE [judging the

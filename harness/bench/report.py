@@ -1,13 +1,13 @@
 """Tables from result rows (read only through ``load_results``); labels for people live here.
 
 ``python -m harness.bench.report TABLE ROWS_DIR OUT_STEM`` writes ``OUT_STEM.md`` and ``OUT_STEM.csv``:
-- ``spine``: per net, the graph's size beside seed 004's #V and the measured and predicted peaks of
+- ``spine``: per net, the graph's size beside Kusumoto et al.'s #V and the measured and predicted peaks of
   ``vanilla`` and ``liveness_only`` beside the paper's vanilla figure;
 - ``strategies``: per net and strategy, measured and predicted peaks and the reduction against vanilla,
-  beside seed 004's Table 1;
-- ``table1``: seed 004's Table 1 (peak GB and reduction against vanilla at the paper's sizes, DPs at their
+  beside Kusumoto et al.'s Table 1;
+- ``table1``: Kusumoto et al.'s Table 1 (peak GB and reduction against vanilla at the paper's sizes, DPs at their
   minimal budget) with ours beside each published cell: predicted, measured on meta, measured on cuda;
-- ``table2``: seed 004's Table 2 (appendix C, no liveness analysis) beside the simulator's no-liveness replay;
+- ``table2``: Kusumoto et al.'s Table 2 (appendix C, no liveness analysis) beside the simulator's no-liveness replay;
 - ``transformers``: ``strategies`` on ``vit_b_16`` and ``gpt2``, with the goal against the PyTorch peers.
 
 ``WriteTable`` is a Hydra callback that writes a table when a sweep ends (``configs/sweep/table1.yaml``).
@@ -61,7 +61,7 @@ def _ratio(value, unit) -> float:
 
 
 def strategies_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """Per net and strategy: measured and predicted peak, reduction against vanilla, beside seed 004."""
+    """Per net and strategy: measured and predicted peak, reduction against vanilla, beside Kusumoto et al. 2019."""
     rows = rows[rows.status == "ok"].copy()
     rows["mode"] = [mode_of(options) for options in rows.options]
     out = []
@@ -93,14 +93,14 @@ def strategies_table(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-# Seed 004's columns, then ours; labels as ``results.label`` makes them.
+# Kusumoto et al.'s columns, then ours; labels as ``results.label`` makes them.
 PAPER_ORDER = ("approx_dp (mc)", "approx_dp (tc)", "exact_dp (mc)", "exact_dp (tc)", "chen_sqrt", "vanilla",
                "liveness_only", "chen_greedy", "swap")
 
 
 def _latest_cells(rows: pd.DataFrame, device: str) -> dict[tuple[str, str], pd.Series]:
     """The newest eager row of each (net, label) on ``device`` at the net's paper sizes and the minimal
-    budget (a compiled step is another program: the frontier's compiled points stay out of seed 004's
+    budget (a compiled step is another program: the frontier's compiled points stay out of Kusumoto et al.'s
     tables)."""
     cells = {}
     eager = rows[rows.device == device]
@@ -143,7 +143,7 @@ def _ordered_labels(cells: dict, net: str) -> list[str]:
 
 
 def table1(rows: pd.DataFrame) -> pd.DataFrame:
-    """Seed 004's Table 1 with ours beside each cell: the simulator's prediction, and the measured peak on
+    """Kusumoto et al.'s Table 1 with ours beside each cell: the simulator's prediction, and the measured peak on
     every device that has rows (meta: the tracker's live bytes; cuda: the allocator's peak)."""
     rows = rows[rows.strategy.isin({name.split(" ")[0] for name in PAPER_ORDER})]
     rows = rows[[o.get("memory_model") != "paper" for o in rows.options]]  # those are Table 2's
@@ -184,14 +184,14 @@ def _devices(by_device: dict) -> str:
 
 
 def table2(rows: pd.DataFrame) -> pd.DataFrame:
-    """Seed 004's Table 2 (no liveness analysis) beside the simulator's replay of each plan without it: every
+    """Kusumoto et al.'s Table 2 (no liveness analysis) beside the simulator's replay of each plan without it: every
     value and gradient held to the end of its stage (``simulate(..., liveness=False)``), parameters and
     the input batch included. Vanilla is the measured peak, as the paper's is: its framework frees on its
     own. The measured peak with liveness sits beside, for contrast. ``liveness_only`` and ``swap`` are left
     out: without liveness both are vanilla holding everything. The paper's own reductions in Table 2 are
     not against its vanilla column (3.2 GB is "-57%" of 9.4), so only its GB are printed."""
     rows = rows[rows.strategy.isin({name.split(" ")[0] for name in PAPER_ORDER} - {"liveness_only", "swap"})]
-    # The DPs' plans on seed 004's memory model (configs approx_dp_paper, ...), labelled as the paper's.
+    # The DPs' plans on Kusumoto et al.'s memory model (configs approx_dp_paper, ...), labelled as the paper's.
     paper_model = pd.Series([o.get("memory_model") == "paper" for o in rows.options], index=rows.index, dtype=bool)
     rows = rows[~rows.strategy.isin(["approx_dp", "exact_dp"]) | paper_model].copy()
     rows["options"] = [{k: v for k, v in o.items() if k != "memory_model"} for o in rows.options]

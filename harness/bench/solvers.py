@@ -1,7 +1,7 @@
 """Solve time of the DPs on the zoo nets (traced at the paper's sizes) and on the paper's own graphs.
 
 ``python -m harness.bench.solvers results/solve_times`` writes ``.md`` and ``.csv``: per graph, strategy and
-mode, the lower sets in the family, the minimal feasible budget by seed 004's model (parameters and
+mode, the lower sets in the family, the minimal feasible budget by Kusumoto et al.'s model (parameters and
 input excluded) and the wall time of ``strategies.solve`` (median of ``--repeat`` runs). The DPs' kernels
 are compiled by numba on first use and cached on disk; a warm-up solve on a toy graph loads them first,
 and its time is reported on its own.
@@ -66,7 +66,8 @@ def warm_up() -> float:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m harness.bench.solvers", description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="output path without suffix")
-    parser.add_argument("--paper-dir", type=Path, default=paper_graphs.DEFAULT_DIR)
+    parser.add_argument("--paper-dir", type=Path, default=None,
+                        help=f"a folder of the paper's graphs (default: ${paper_graphs.ENVIRONMENT}; none: zoo nets only)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--max-lower-sets", type=int, default=None,
                         help="report exact_dp as not run on graphs with more lower sets (it needs memory for "

@@ -1,18 +1,18 @@
-"""Swap against seed 001's Table 1: ``python -m harness.bench.swap OUT_STEM [--device meta]``.
+"""Swap against Meng et al.'s Table 1: ``python -m harness.bench.swap OUT_STEM [--device meta]``.
 
 Three tables, written to ``OUT_STEM.md`` and ``OUT_STEM.csv``:
 1. the largest ResNet-50 batch (224x224) whose measured peak fits a 12 GiB device, for ``vanilla``,
-   ``swap`` and ``swap`` on ``approx_dp`` (seed 001: 144 -> 664 on a 12 GB M40), by a gallop and bisection
+   ``swap`` and ``swap`` on ``approx_dp`` (Meng et al. 2017: 144 -> 664 on a 12 GB M40), by a gallop and bisection
    (``harness.bench.max_batch.largest_batch``);
 2. the measured peak of ResNet-101/200/1001/2000 at batch 32 under ``vanilla`` and under ``swap`` with every
-   candidate swapped (seed 001 Table 1(b));
+   candidate swapped (Meng et al. 2017 Table 1(b));
 3. for each row of table 2, the step time the simulator predicts (compute, and the lower bound max(compute,
-   bytes / bandwidth)) on two device models: seed 001's (an M40 at 6 TFLOP/s behind PCIe 3.0 at 12 GB/s)
+   bytes / bandwidth)) on two device models: Meng et al.'s (an M40 at 6 TFLOP/s behind PCIe 3.0 at 12 GB/s)
    and today's (an H100 at 100 TFLOP/s behind PCIe 5.0 at 50 GB/s). These are the cost model's predictions
    at the throughputs named, not measurements; with ``--device cuda`` the measured step times come too.
 
 ResNet-101 is torchvision's; ResNet-200 has bottleneck blocks [3, 24, 36, 3] (He et al. 2016); ResNet-1001
-and -2000 are not defined for ImageNet by seed 001, so this benchmark builds them with 333 and 666 blocks
+and -2000 are not defined for ImageNet by Meng et al. 2017, so this benchmark builds them with 333 and 666 blocks
 split as ResNet-200's stages are ([3, 131, 196, 3] and [3, 264, 396, 3]): 3 layers a block, plus 2.
 """
 
@@ -60,7 +60,7 @@ def largest_batch(strategy: str, options: dict, device: str, progress) -> int:
         progress.set_postfix_str(f"{label(strategy, options)} batch {batch}: {row['status']}")
         return row["status"] == "ok" and row["measured_peak_bytes"] <= DEVICE_BUDGET
 
-    return search_largest(fits, guess=144)  # seed 001's vanilla figure
+    return search_largest(fits, guess=144)  # Meng et al.'s vanilla figure
 
 
 def resnet_rows(name: str, device: str) -> list[dict]:
@@ -84,7 +84,7 @@ def resnet_rows(name: str, device: str) -> list[dict]:
             row.update({"measured GB": None, "note": "oom"})
         prediction = strategies.simulate(traced.graph, plan)
         row["predicted GB"] = (prediction.peak_bytes + static) / 1e9
-        row["seed 001 MB"] = paper_mb if paper_mb is not None else "OOM"
+        row["Meng et al. 2017 MB"] = paper_mb if paper_mb is not None else "OOM"
         for device_model, (tflops, gbps) in DEVICE_MODELS.items():
             times = swap_step_time(traced.graph, plan, gbps * 1e9, tflops * 1e12)
             row[f"{device_model}: compute ms"] = times["compute_s"] * 1e3
@@ -105,13 +105,13 @@ def main(argv=None):
     for (strategy, options), paper in zip(progress, (144, 664, None)):
         batches.append({"net": "resnet50", "strategy": label(strategy, options), "device budget GiB": 12,
                         "largest batch": largest_batch(strategy, options, args.device, progress),
-                        "seed 001 (M40, TF r1.2)": paper if paper is not None else ""})
+                        "Meng et al. 2017 (M40, TF r1.2)": paper if paper is not None else ""})
     nets = args.nets.split(",")
     peaks = [row for name in tqdm(nets, desc="ResNets at batch 32") for row in resnet_rows(name, args.device)]
     command = "python -m harness.bench.swap " + " ".join(argv if argv is not None else sys.argv[1:])
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "meta (tracker)"
     table_1, table_2 = pd.DataFrame(batches), pd.DataFrame(peaks)
-    memory_columns = ["net", "blocks", "strategy", "batch", "measured GB", "predicted GB", "host GB", "seed 001 MB"]
+    memory_columns = ["net", "blocks", "strategy", "batch", "measured GB", "predicted GB", "host GB", "Meng et al. 2017 MB"]
     time_columns = ["net", "strategy"] + [c for c in table_2.columns if ":" in c]
     if args.device == "cuda":
         time_columns.append("measured step ms")
@@ -124,7 +124,7 @@ def main(argv=None):
         "",
         table_1.to_markdown(index=False),
         "",
-        "## Peak memory at batch 32 (seed 001 Table 1(b)); swap with every candidate (>= 1 MiB) on the host",
+        "## Peak memory at batch 32 (Meng et al. 2017 Table 1(b)); swap with every candidate (>= 1 MiB) on the host",
         "",
         table_2[memory_columns].to_markdown(index=False, floatfmt=".2f"),
         "",

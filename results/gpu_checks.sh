@@ -1,32 +1,34 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 15 and 16 that fit a short lease of the device machine (15 minutes of device time,
-# starts included): run from the repository root there, `bash results/gpu_lease.sh [STAGE...]`, with the
+# The GPU measurements that fit a short turn on a GPU machine (15 minutes, its start included): Figure 3's
+# claim, the largest batches in 80 GB, the memory/time frontier, the cost models' plans and the compile peer's
+# ratios on cuda, a profile of eager recomputation, and the gpu tests. Run from the repository root there,
+# `bash results/gpu_checks.sh [STAGE...]`, with the
 # wheels of hydra-core, omegaconf, antlr4-python3-runtime and segmentation-models-pytorch in .whl/ (README, "A
 # GPU node that reaches no package registry"). The stages, in this order (all of them when none is named):
 #   profile    where eager recomputation's time goes (harness.bench.profile_step): ResNet-152 at batch 128,
 #              approx_dp (tc) at 6.0 GB (with its Chrome trace, gzipped), chen_sqrt and vanilla, eager (on the
-#              H200 host-bound: the GPU busy 49%, 53% once stop 39 cut the executor's host work).
+#              H200 host-bound: the GPU busy 49%, 53% once the executor's host work per recomputed layer was cut).
 #   figure3    Figure 3's claim: vanilla up to the first batch that does not fit 11.4 GB, then approx_dp (tc)
 #              and chen_sqrt at twice vanilla's largest batch (ResNet-152, PSPNet).
 #   max_batch  the largest batch in 80 GB of chen_sqrt and approx_dp (tc, mc) on ResNet-50 and ResNet-152, each
 #              search starting from meta's answer (results/rows_max_batch_meta), its probes memory-only.
 #   frontier   ResNet-152 at batch 128: vanilla eager and compiled, approx_dp (tc) eager and compiled at 6.0,
-#              8.6 and 12.8 GB (issue 16's goals; DP_BUDGETS=6.0GB for fewer).
+#              8.6 and 12.8 GB (the frontier's goals; DP_BUDGETS=6.0GB for fewer).
 #   cost       what a cost model of measured layer times changes (harness.bench.cost_models): ResNet-152 at batch
 #              128, approx_dp (tc) at 3 budgets under the paper's, the FLOPs' and the measured costs, eager.
 #   peer       the compile peer's ratios on ResNet-152 at batch 128 (RATIOS, default 0.5,0.2,0,0.8,1).
 #   tests      the tests marked gpu (GPU_TESTS: which files or tests).
 # Each stage has a deadline; every cell writes its row as it ends and a later run resumes from the rows there,
-# so a stage cut short keeps what it measured. Everything lands in $OUT/lease.tgz (rows, tables, profiles,
-# tarred after each stage) and $OUT/lease.log; draw the tables again here from the rows (`--from-rows`).
+# so a stage cut short keeps what it measured. Everything lands in $OUT/gpu_checks.tgz (rows, tables, profiles,
+# tarred after each stage) and $OUT/gpu_checks.log; draw the tables again here from the rows (`--from-rows`).
 # On an H200 the rows of results/rows_h200 are copied in first, so a cell measured there is not run again
-# (run_cell's resume) and the lease goes on where the last one stopped; EAGER_AGAIN=1 leaves out the eager
+# (run_cell's resume) and a run goes on where the last one stopped; EAGER_AGAIN=1 leaves out the eager
 # rows among them, so that the stages measure those again (after a change to the executor's host work).
 # DEVICE=meta rehearses it here (the same commands on meta; the gpu tests skip; no profile).
 set -u
 DEVICE=${DEVICE:-cuda}
-OUT=${OUT:-/tmp/lease-out}
-WORK=/tmp/lease
+OUT=${OUT:-/tmp/gpu_checks-out}
+WORK=/tmp/gpu_checks
 ROWS=$WORK/rows
 mkdir -p "$OUT" "$ROWS"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -34,8 +36,8 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=$PWD:/tmp/site
 fi
-exec > >(tee "$OUT/lease.log") 2>&1
-# The node's copy of .git is stale: the rows are told the commit the tree was sent at, written before the lease:
+exec > >(tee "$OUT/gpu_checks.log") 2>&1
+# The node's copy of .git is stale: the rows are told the commit the tree was sent at, written before the tree is sent:
 #   git status --porcelain --untracked-files=no | grep -q . && D=' dirty'; echo "$(git rev-parse HEAD)$D" > .whl/COMMIT
 if [ -f .whl/COMMIT ]; then
     export HARNESS_GIT_COMMIT=$(cat .whl/COMMIT)
@@ -49,7 +51,7 @@ stage() {  # stage SECONDS COMMAND...: run it under a deadline, then end what it
     echo "=== $(date -u +%T) stage ended: exit $?"
     pkill -9 -f spawn_main 2> /dev/null
     sleep 1
-    tar czf "$OUT/lease.tgz" -C "$WORK" .  # after each stage: a lease cut short still returns its rows
+    tar czf "$OUT/gpu_checks.tgz" -C "$WORK" .  # after each stage: a run cut short still returns its rows
 }
 
 nvidia-smi -L
