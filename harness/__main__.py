@@ -5,6 +5,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from harness import config as _schema  # noqa: F401  (registers config_schema, which configs/config.yaml extends)
 from harness import nets
 from harness.run import run_cell
 import strategies
@@ -12,17 +13,17 @@ import strategies
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    if "net" not in cfg:
+    if cfg.net is None:
         raise SystemExit(f"choose a net with +net=NAME; valid nets: {', '.join(nets.available())}; any other "
                          "model: +net=torchvision net.name=NAME, +net=timm net.name=NAME, +net=hf "
                          "net.name=MODEL_TYPE, +net=module net.target=PACKAGE.MODULE:FACTORY")
-    if "strategy" not in cfg:
+    if cfg.strategy is None:
         raise SystemExit(f"choose a strategy with +strategy=NAME; valid strategies: {', '.join(strategies.available())}")
     run_cell(net_name(cfg.net), cfg.strategy.name, batch_size=cfg.batch_size, image_size=cfg.image_size,
-             device=cfg.device.name, budget=cfg.budget, cost_model=cfg.cost_model,
+             device=cfg.device.name, budget=cfg.budget, cost_model=cfg.cost_model.value,
              options=OmegaConf.to_container(cfg.strategy.options, resolve=True), warmup_steps=cfg.device.warmup_steps,
              timed_steps=cfg.device.timed_steps, results_dir=cfg.results_dir, resume=cfg.resume,
-             net_options=net_options(cfg.net), compile=cfg.compile, dtype=cfg.dtype)
+             net_options=net_options(cfg.net), compile=cfg.compile, dtype=cfg.dtype.value)
 
 
 def net_name(net: DictConfig) -> str:

@@ -146,7 +146,27 @@ def test_a_run_in_bfloat16_holds_half_of_float32_and_says_so(tmp_path):
     with pytest.raises(ValueError, match="unknown dtype 'int8'; valid: float32, bfloat16, float16, float64"):
         run_cell("resnet50", "vanilla", dtype="int8")
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        assert compose("config", overrides=["+net=resnet50", "+strategy=vanilla", "dtype=bfloat16"]).dtype == "bfloat16"
+        assert compose("config", overrides=["+net=resnet50", "+strategy=vanilla", "dtype=bfloat16"]).dtype.value == "bfloat16"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("compile=maybe", "'maybe' is not a valid bool"),
+    ("dtype=float8", "'float8', expected one of [float32, bfloat16, float16, float64]"),
+    ("cost_model=seconds", "'seconds', expected one of [paper, flops, measured]"),
+    ("batch_size=big", "'big' of type 'str' could not be converted to Integer"),
+    ("resume=later", "'later' is not a valid bool"),
+])
+def test_the_configuration_refuses_a_value_of_the_wrong_type_naming_the_key(override, message):
+    """``harness/config.py``: a typed schema under configs/config.yaml; a value it does not take fails before anything
+    runs (``compile=maybe`` used to run compiled without a word)."""
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        with pytest.raises(Exception) as refused:
+            compose("config", overrides=["+net=resnet50", "+strategy=vanilla", override])
+    chain, error = [], refused.value
+    while error is not None:
+        chain.append(str(error))
+        error = error.__cause__
+    assert message in "\n".join(chain) and f"full_key: {override.split('=')[0]}" in "\n".join(chain)
 
 
 def test_any_model_from_the_command_line_configs(tmp_path, caplog):
