@@ -1,7 +1,7 @@
 """PyTorch's own memory tools, run for real as peers of the strategies (``torch_checkpoint_blocks``,
 ``torch_checkpoint_sequential``, ``torch_compile_budget``).
 
-A peer's plan (``strategies/torch_*.py``) carries ``info["runner"]``; ``step(plan, ...)`` returns the
+A peer's plan (``strategies/torch_*.py``) names its ``runner``; ``step(plan, ...)`` returns the
 training step that runs it: the model itself, with ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``
 installed around the blocks for the step's duration, or the zoo's sequence of the net's modules under
 ``checkpoint_sequential``. Recomputation runs a block's forward a second time,
@@ -164,7 +164,7 @@ def step(plan, model: nn.Module, structure: dict[str, list[str]], example_input:
     """The training step (forward, loss, backward) that runs the peer ``plan``, under ``torch.compile`` with
     ``compile`` (``torch_compile_budget`` always is); returns the loss. A compiled recomputation happens in
     the backward graph, which updates no BatchNorm statistics: ``batchnorm_once`` is for eager steps."""
-    runner = plan.info.get("runner")
+    runner = plan.runner
     if runner == "torch_compile":
         return compiled_step(model, example_input, loss_fn, plan.info["budget_ratio"])
     context = contextlib.nullcontext

@@ -122,7 +122,7 @@ def build_cell(row: dict) -> SimpleNamespace:
     plan = _solve(row, traced.graph, static_bytes, peers.zoo_options(row["strategy"], structure))
     step = None
     if plan.schedule is None:  # a Checkmate schedule: see _measure_cell
-        if plan.info.get("runner"):
+        if plan.runner is not None:
             step = peers.step(plan, model, structure, example_input, loss_fn, compile=row["compiled"])
         elif row["compiled"]:
             check_compilable(plan)
@@ -165,14 +165,14 @@ def _measure_built(row: dict, cell: SimpleNamespace) -> dict:
         measured = {**dict.fromkeys(_MEASURED),
                     "method": "not run: the executor runs stage plans, not general (R, S) schedules"}
     else:
-        compiled = row["compiled"] or plan.info.get("runner") == "torch_compile"
+        compiled = row["compiled"] or plan.runner == "torch_compile"
         measured = _measured(measure(cell.step, cell.model, (cell.example_input,), row["device"],
                                      row["warmup_steps"], row["timed_steps"], compiled=compiled))
         measured["compile_time_s"] = getattr(cell.step, "compile_time_s", None)
         if row["device"] == "cuda" and measured["tracker_peak_bytes"] is not None:
             # What the device adds beyond the one accounting: cuDNN's and cuBLAS's workspaces, allocator rounding.
             measured["device_reserve_bytes"] = measured["measured_peak_bytes"] - measured["tracker_peak_bytes"]
-    predicts = plan.info.get("prediction") != "none"  # torch.compile decides out of the IR's sight
+    predicts = plan.predicted  # torch.compile's partitioner decides out of the IR's sight
     return {
         **measured,
         "predicted_peak_bytes": predicted.peak_bytes + static_bytes if predicts else None,
@@ -182,6 +182,8 @@ def _measure_built(row: dict, cell: SimpleNamespace) -> dict:
         "static_bytes": static_bytes, "node_count": len(graph), "layer_count": len(traced.group_of),
         "stage_count": len(plan.stages), "recomputed_node_count": bin(plan.recomputed).count("1"),
         "solve_time_s": plan.solve_time_s, **{f"plan_{key}": value for key, value in plan.info.items()},
+        # the rows' fields as they were when these lived in ``info``: data for the tables, not control flow
+        **({"plan_runner": plan.runner} if plan.runner else {}), **({} if plan.predicted else {"plan_prediction": "none"}),
     }
 
 

@@ -38,6 +38,9 @@ class InfeasibleBudget(ValueError):
         super().__init__(f"{who}no plan fits a budget of {budget_bytes} bytes; {known}")
 
 
+RUNNERS = ("torch_checkpoint", "torch_checkpoint_sequential", "torch_compile")  # the peers' own steps (harness/peers.py)
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """A recomputation plan on a ``Graph``.
@@ -53,7 +56,9 @@ class Plan:
     ``torch.utils.checkpoint`` runs a block (the PyTorch peers' plans): nothing the stage's layers save
     outlives its forward, its kept values serve the later stages alone, and its recomputation rebuilds
     every value its own backward reads, kept ones too (NOTE [a checkpointed stage] in
-    ``strategies/simulate.py``).
+    ``strategies/simulate.py``). ``runner`` names what runs the step where it is not this project's executor
+    (``RUNNERS``: a PyTorch peer runs the model itself), and ``predicted`` is False where the plan's memory is
+    decided out of the IR's sight (``torch.compile``'s own partitioner), so the simulator has nothing to predict.
     """
 
     strategy: str
@@ -62,24 +67,29 @@ class Plan:
     swapped: int = 0
     budget_bytes: int | None = None
     solve_time_s: float = 0.0
-    info: dict[str, float] = field(default_factory=dict)
+    info: dict[str, float | str] = field(default_factory=dict)  # figures and notes for the row, never control flow
     schedule: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     prefetch: tuple[tuple[int, int], ...] = ()
     checkpointed: int = 0
+    runner: str | None = None  # None: the executor (eager, or compiled with compile=true)
+    predicted: bool = True
 
     @classmethod
     def from_stages(cls, graph: Graph, stages: Iterable[Iterable[int] | int], *, strategy: str = "manual",
                     kept: Iterable[int] | int | None = None, budget_bytes: int | None = None,
                     solve_time_s: float = 0.0, info: dict[str, float] | None = None,
-                    checkpointed: int = 0) -> "Plan":
+                    checkpointed: int = 0, runner: str | None = None, predicted: bool = True) -> "Plan":
         """A plan from its stages; ``kept`` defaults to the canonical cache ``U_k`` (Kusumoto et al. 2019)."""
         masks = tuple(s if isinstance(s, int) else bits(s) for s in stages)
         if kept is None:
             kept_mask = canonical_cache(graph, masks)
         else:
             kept_mask = kept if isinstance(kept, int) else bits(kept)
+        if runner is not None and runner not in RUNNERS:
+            raise ValueError(f"Plan: unknown runner {runner!r}; valid: {', '.join(RUNNERS)}")
         plan = cls(strategy=strategy, stages=masks, kept=kept_mask, budget_bytes=budget_bytes,
-                   solve_time_s=solve_time_s, info=dict(info or {}), checkpointed=checkpointed)
+                   solve_time_s=solve_time_s, info=dict(info or {}), checkpointed=checkpointed, runner=runner,
+                   predicted=predicted)
         plan.validate(graph)
         return plan
 

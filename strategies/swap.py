@@ -95,7 +95,7 @@ def _base_plan(graph: Graph, options: Options) -> Plan:
     from strategies import solve as solve_strategy  # the registry imports this module
 
     base = solve_strategy(options.base, graph, None, **options.base_options)
-    if base.schedule is not None or base.info.get("runner"):
+    if base.schedule is not None or base.runner is not None:
         raise Inapplicable(f"swap: base {options.base!r} is not a stage plan the executor runs; choose a "
                            "recomputation strategy such as approx_dp, exact_dp, chen_sqrt or chen_greedy")
     return base

@@ -57,6 +57,6 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
             checkpointed |= (block is not None) << (len(stages) - 1)
         previous = block
     plan = Plan.from_stages(graph, stages, strategy="torch_checkpoint_blocks", budget_bytes=budget_bytes,
-                            info={"runner": RUNNER, "blocks": len(options.blocks)}, checkpointed=checkpointed)
+                            info={"blocks": len(options.blocks)}, checkpointed=checkpointed, runner=RUNNER)
     check_budget(graph, plan, budget_bytes)
     return plan

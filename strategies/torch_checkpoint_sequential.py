@@ -67,7 +67,7 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
     stages = tuple(s for s in stages if s)
     kept = canonical_cache(graph, stages) | stages[-1]  # the last segment runs outside checkpoint
     plan = Plan.from_stages(graph, stages, strategy="torch_checkpoint_sequential", kept=kept,
-                            budget_bytes=budget_bytes, info={"runner": RUNNER, "segments": segments},
+                            budget_bytes=budget_bytes, info={"segments": segments}, runner=RUNNER,
                             checkpointed=(1 << (len(stages) - 1)) - 1)  # all but the last
     check_budget(graph, plan, budget_bytes)
     return plan

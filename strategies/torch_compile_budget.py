@@ -4,7 +4,7 @@ peer to judge the other strategies against). The min-cut partitioner of AOTAutog
 saves and what the compiled backward recomputes (its default solver, FLOP cost model).
 
 The harness runs the real thing (``harness/peers.py``); the choice is made inside ``torch.compile``, out of
-the IR's sight, so this plan holds no prediction (``info["prediction"] = "none"``): the row leaves the
+the IR's sight, so this plan holds no prediction (``predicted=False``): the row leaves the
 predicted fields empty. Its stages are V with everything kept, which no one reads.
 """
 
@@ -34,4 +34,4 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
         raise ValueError("torch_compile_budget takes budget_ratio, a fraction of the activations, not a byte "
                          "budget; leave budget=null")
     return Plan.from_stages(graph, [graph.all_nodes], strategy="torch_compile_budget", kept=graph.all_nodes,
-                            info={"runner": RUNNER, "budget_ratio": options.budget_ratio, "prediction": "none"})
+                            info={"budget_ratio": options.budget_ratio}, runner=RUNNER, predicted=False)

@@ -843,7 +843,7 @@ def test_a_checkpointed_block_stops_before_a_last_layer_that_saves_only_what_it_
     recomputed = {}
     for name in ("vanilla", "torch_checkpoint_blocks"):
         plan = strategies.solve(name, traced.graph, **peers.zoo_options(name, structure))
-        step = (peers.step(plan, model, structure, x, loss_fn) if plan.info.get("runner")
+        step = (peers.step(plan, model, structure, x, loss_fn) if plan.runner is not None
                 else lambda: execute(traced, plan, x, loss_fn=loss_fn))
         recomputed[name] = (step_flops(traced.graph, plan), measure(step, model, (x,), "meta").step_flops)
     predicted, ran = (blocks - plain for blocks, plain in zip(recomputed["torch_checkpoint_blocks"],

@@ -20,7 +20,7 @@ def test_block_plan_follows_the_zoo_blocks():
     inside = [v for v in range(len(graph)) if graph.scopes[v].startswith("layer")]
     stem_and_head = len(graph) - len(inside)
     assert len(plan.stages) == len(blocks) + stem_and_head
-    assert plan.info["runner"] == "torch_checkpoint"
+    assert plan.runner == "torch_checkpoint"
 
 
 def test_vgg_stages_are_slices_of_features():

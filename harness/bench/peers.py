@@ -64,7 +64,7 @@ def bench_net(net: str, rows: pd.DataFrame, time_limit_s: float, max_stages: int
         except strategies.Inapplicable as error:
             out.append({**row, "note": str(error).split(": ", 1)[-1]})
             continue
-        if plan.info.get("prediction") == "none":
+        if not plan.predicted:
             out.append({**row, "note": "chosen inside torch.compile: no plan in the IR to compare"})
             continue
         predicted = strategies.simulate(graph, plan)
