@@ -10,8 +10,8 @@ $(VENV)/.installed: pyproject.toml
 # The DP kernels compiled into numba's cache (beside their source): a first solve loads them instead of
 # compiling for 20-30 s.
 KERNELS := strategies/__pycache__/.kernels-compiled
-$(KERNELS): strategies/dp_kernels.py $(VENV)/.installed
-	$(PY) -m strategies.dp_kernels
+$(KERNELS): strategies/dp_kernels.py strategies/compile_kernels.py $(VENV)/.installed
+	$(PY) -m strategies.compile_kernels
 	touch $@
 
 # The packages a GPU node without a registry lacks beside its torch, torchvision, timm, numba, pandas,

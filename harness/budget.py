@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -34,7 +36,5 @@ def _free_device_bytes(device: str) -> int:
     if device != "cuda":
         raise ValueError(f"budget=device means the memory a CUDA device has free; device={device} has none "
                          "to read (give a size such as 6GB)")
-    import torch
-
     free, _total = torch.cuda.mem_get_info()
     return int(free)

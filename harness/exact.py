@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torchvision.ops import StochasticDepth
 
 from harness.measure import clear_grads
 from harness.trace import non_leaf_attributes
@@ -110,8 +111,6 @@ def compare(model: nn.Module, example_input: torch.Tensor, loss_fn, run_plan: Ca
 def switch_on_randomness(model: nn.Module, p: float = 0.1) -> nn.Module:
     """Dropout, attention dropout and stochastic depth at ``p`` wherever a model has them switched off, so
     that an exactness check sees random ops in every place they can be (timm's ``DropPath`` included)."""
-    from torchvision.ops import StochasticDepth
-
     for module in model.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p == 0:
             module.p = p

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import platform
 import statistics
 import threading
 import time
@@ -319,7 +320,6 @@ def _nvml_used_bytes() -> int:
 
 
 def _cpu_name() -> str:
-    import platform
 
     return platform.processor() or platform.machine()
 

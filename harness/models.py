@@ -26,7 +26,7 @@ import inspect
 
 from torch import nn
 
-from harness.nets import LOSSES, NetSpec
+from harness.netspec import LOSSES, NetSpec
 
 SOURCES = ("torchvision", "timm", "module", "hf")
 DEFAULT_BATCH = 32

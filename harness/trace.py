@@ -297,6 +297,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
+from harness.measure import DEVICE_PARTS, MemoryTracker
 from harness.nets import sum_loss
 from strategies import Graph
 
@@ -556,7 +557,6 @@ def _backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set
     (``Graph.unpack_held_bytes``); the layers whose value outlives the step (NOTE [values held outside
     the program]); last, the bytes each parameter's gradient holds, by parameter storage (NOTE
     [parameter gradients])."""
-    from harness.measure import MemoryTracker
 
     layers: dict[object, int] = {}  # autograd node -> the probe group whose layer call made it
     values: dict[int, int] = {}  # storages of IR nodes' values -> their probe group
@@ -669,7 +669,6 @@ def _loss_fields(output, loss_fn, node_of, n: int) -> dict:
     """The loss's part of the graph (``Graph.loss_bytes`` and the other ``loss_*`` fields), measured on
     meta (NOTE [the loss]): the outputs are counted from the start and taken off every figure, since the
     replay holds them as the IR nodes' values."""
-    from harness.measure import DEVICE_PARTS, MemoryTracker
 
     leaves, bases = [], []  # bases: what a view's backward pads its gradient to (None: not part of a value)
 

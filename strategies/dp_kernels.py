@@ -463,25 +463,3 @@ def pareto_chains(sets, budget, objective, most, to_go, cutoff):
                 largest = max(largest, sizes[j])
     return frontier, parents, sizes, over
 
-
-def compile_all() -> None:
-    """Compile every kernel into numba's cache (beside this file) by running both DPs, in both modes, at their
-    minimal budget and at a looser one, on a small graph: a first solve then loads them instead of spending
-    tens of seconds compiling (``make`` runs this once it has installed the project)."""
-    from strategies import Graph, InfeasibleBudget, solve
-
-    blocks = 8  # residual blocks: lower sets beyond the principal ones, for the exact DP
-    edges = [(3 * b + i, 3 * b + j) for b in range(blocks) for i, j in ((0, 1), (1, 2), (0, 2), (2, 3))]
-    graph = Graph(mem_bytes=[4 + v % 5 for v in range(3 * blocks + 1)], cost=[1 + v % 3 for v in range(3 * blocks + 1)],
-                  edges=edges)
-    for name in ("approx_dp", "exact_dp"):
-        for mode in ("tc", "mc"):
-            try:
-                solve(name, graph, 1, mode=mode)
-            except InfeasibleBudget as error:
-                solve(name, graph, 2 * error.min_feasible_bytes, mode=mode)
-            solve(name, graph, mode=mode)
-
-
-if __name__ == "__main__":
-    compile_all()

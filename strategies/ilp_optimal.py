@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from strategies import schedule
+from strategies import approx_dp, schedule
 from strategies.graph import Graph
 from strategies.plan import Inapplicable, InfeasibleBudget, Plan, SolverTimeout
 from strategies.simulate import MEMORY_MODELS, dp_view, peak_of, schedule_timeline, simulate
@@ -146,7 +146,6 @@ def warm_values(tg, computed, held, R, S, U, FREE, unit) -> dict[int, float]:
 
 
 def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = None) -> Plan:
-    from strategies import approx_dp
 
     options = options or Options()
     if options.time_limit_s <= 0:
@@ -174,7 +173,6 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
 
 def _by_replay(graph: Graph, budget_bytes: int | None, options: Options) -> Plan:
     """The least-overhead plan found whose replay fits ``budget_bytes`` (NOTE [judging the ILP's budget])."""
-    from strategies import approx_dp
 
     if budget_bytes is None:
         start = approx_dp.solve(graph, None)
@@ -278,7 +276,6 @@ def _least_peak(tg: schedule.TrainingGraph, time_limit_s: float):
 def least_replay(graph: Graph, time_limit_s: float) -> int:
     """The least budget ``ilp_optimal`` reports (``memory_model=traced``): the lower replay of
     ``approx_dp``'s minimal plan and of the schedule of least proxy peak."""
-    from strategies import approx_dp
 
     peak = simulate(graph, approx_dp.solve(graph, None)).peak_bytes
     least, _ = _least_peak(schedule.training_graph(dp_view(graph, "traced"), loss_reads_outputs=False),

@@ -25,6 +25,7 @@ import bisect
 import dataclasses
 from dataclasses import dataclass, field
 
+from strategies import solve as solve_strategy  # the registry imports strategy modules on first use, after itself
 from strategies.graph import Graph, members
 from strategies.plan import Inapplicable, InfeasibleBudget, Plan
 from strategies.simulate import simulate, step_seconds, swap_step_time, timeline
@@ -92,8 +93,6 @@ def _base_plan(graph: Graph, options: Options) -> Plan:
     if options.base == "swap":
         raise ValueError("swap: base must be a recomputation strategy (approx_dp, exact_dp, chen_sqrt, ...), "
                          "not swap itself")
-    from strategies import solve as solve_strategy  # the registry imports this module
-
     base = solve_strategy(options.base, graph, None, **options.base_options)
     if base.schedule is not None or base.runner is not None:
         raise Inapplicable(f"swap: base {options.base!r} is not a stage plan the executor runs; choose a "
