@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -29,7 +28,7 @@ import pandas as pd  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from harness import nets  # noqa: E402
-from harness.bench.figure3 import save_figure  # noqa: E402
+from harness.bench.common import add_rows_options, command_of, made_by, save_figure  # noqa: E402
 from harness.bench.frontier import Cells  # noqa: E402
 from harness.trace import COST_MODELS  # noqa: E402
 
@@ -96,8 +95,7 @@ def main(argv=None) -> None:
     parser.add_argument("--cost-models", default=",".join(COST_MODELS), help=f"of {', '.join(COST_MODELS)}")
     parser.add_argument("--compile", action="store_true", help="every step under torch.compile")
     parser.add_argument("--timed-steps", type=int, default=15, help="steps timed per point, after 2 warm-ups")
-    parser.add_argument("--rows", type=Path, default=Path("results/runs"), help="where every run's row goes")
-    parser.add_argument("--from-rows", action="store_true", help="run nothing: read the rows in --rows")
+    add_rows_options(parser)
     args = parser.parse_args(argv)
     net, batch, side = SIZES[args.device]
     args.net = args.net or net
@@ -120,7 +118,7 @@ def main(argv=None) -> None:
                                                                  cost_model=cost_model))
                              for budget in budgets for cost_model in cost_models])
     progress.close()
-    command = "python -m harness.bench.cost_models " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_of("cost_models", argv)
     mode = "compiled" if args.compile else "eager"
     where = f"{vanilla.get('device_name') or args.device}, {mode}"
     sizes = f"{args.net}, batch {vanilla['batch_size']}, side {vanilla['image_size']}"
@@ -130,7 +128,7 @@ def main(argv=None) -> None:
     points.to_csv(args.out_stem.with_suffix(".csv"), index=False, float_format="%.4g")
     lines = summary(points)
     args.out_stem.with_suffix(".md").write_text(
-        f"Made by `{command}` on {datetime.date.today()}; {sizes}; measured on {where}. Vanilla: "
+        f"{made_by(command)}; {sizes}; measured on {where}. Vanilla: "
         f"{top / 1e9:.3g} GB, {vanilla['step_time_ms']:.4g} ms a step; approx_dp's least budget {least / 1e9:.3g} GB. "
         "`predicted ms` (measured cost model only): vanilla's step plus the forward time the plan recomputes, "
         "by the times measured before the run. Step times are medians; where two differ by less than their "

@@ -23,7 +23,6 @@ reason. ``--dtype bfloat16`` trains every model in it (``nets.build``'s ``dtype`
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import math
@@ -37,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 import strategies
+from harness.bench.common import command_of, made_by
 from harness import nets
 from harness.exact import compare, switch_on_randomness, tolerance
 from harness.execute import execute
@@ -274,8 +274,8 @@ def main(argv=None) -> None:
     rows = pd.DataFrame([json.loads(p.read_text()) for p in sorted(args.rows.glob("*.json"))])
     rows = rows[rows.model.isin(catalogue())]
     out, totals = table(rows.sort_values("model").reset_index(drop=True))
-    command = " ".join(["python -m harness.bench.coverage", *(argv if argv is not None else sys.argv[1:])])
-    header = (f"Made by `{command}` on {datetime.date.today().isoformat()}; {', '.join(_dtypes(rows))}; exactness "
+    command = command_of("coverage", argv)
+    header = (f"{made_by(command)}; {', '.join(_dtypes(rows))}; exactness "
               f"on cpu (batch {SMALL_BATCH}, side {SMALL_SIDE}, dropout and stochastic depth on, torch "
               f"{torch.__version__}), reductions measured on meta (meta-tracker, batch {META_BATCH}, side 224; smp "
               f"512; timm: its config's side on both; hf: two small layers and sequence 32 on cpu; the config's "

@@ -13,13 +13,13 @@ measured``). Strategies that take a budget (the tc DPs, ``chen_greedy``,
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from pathlib import Path
 
 import pandas as pd
 from tqdm import tqdm
 
+from harness.bench.common import command_of, made_by
 from harness import nets
 from harness.results import label, load_results
 from harness.run import run_cell
@@ -88,10 +88,10 @@ def main(argv=None) -> None:
     for net, batch in tqdm(work, desc="fidelity", file=sys.stdout):
         cells(net, batch, args.rows)
     out, summary = table(load_results(args.rows))
-    command = " ".join(["python -m harness.bench.fidelity", *(argv if argv is not None else sys.argv[1:])])
+    command = command_of("fidelity", argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     out.to_csv(args.out.with_suffix(".csv"), index=False, float_format="%.3f")
-    header = (f"Made by `{command}` on {datetime.date.today().isoformat()}; meta (meta-tracker) for the "
+    header = (f"{made_by(command)}; meta (meta-tracker) for the "
               "measured peaks, the simulator's liveness replay for the predicted. Peaks in decimal GB, "
               "parameters, buffers and the input batch included.\n\n")
     args.out.with_suffix(".md").write_text(header + summary + "\n\n" + out.to_markdown(index=False, floatfmt=".2f") + "\n")

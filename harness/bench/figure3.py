@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -30,6 +29,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from harness.bench.common import add_rows_options, command_of, made_by, save_figure  # noqa: E402
 from harness.budget import parse_budget  # noqa: E402
 from harness.bench.max_batch import fits, run_within  # noqa: E402
 from harness.results import DEVICE_TIME_NOTE, device_time, label  # noqa: E402
@@ -115,21 +115,6 @@ def plot(table: pd.DataFrame, net: str, memory: int, device: str, device_name: s
                 f"{net}: step time against batch size within {memory / 1e9:g} GB\n{device_name}")
 
 
-def save_figure(fig, caption: str, path: Path, ax=None, labels=("", ""), title="", legend_size=8) -> None:
-    """Write ``fig`` as a PNG with ``caption`` (the command that made it) in small print at its foot; ``ax``
-    given, with its axes' ``labels`` (x, y), ``title``, a light grid and the legend."""
-    if ax is not None:
-        ax.set_xlabel(labels[0])
-        ax.set_ylabel(labels[1])
-        ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=legend_size, loc="best")
-    fig.text(0.01, 0.01, caption, fontsize=6, color="0.4")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m harness.bench.figure3", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -141,10 +126,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", help="comma-separated batch sizes for every net (default: BATCHES)")
     parser.add_argument("--curves", help="comma-separated labels, of " + ", ".join(label(s, o) for s, o in CURVES)
                         + " (default: all)")
-    parser.add_argument("--rows", type=Path, default=Path("results/runs"), help="where every run's row goes")
-    parser.add_argument("--from-rows", action="store_true",
-                        help="run nothing: draw from the rows in --rows (made where --device was); a point with "
-                             "no row is left out")
+    add_rows_options(parser, from_rows="draw from the rows in --rows (made where --device was); a point with no "
+                                      "row is left out")
     args = parser.parse_args(argv)
     memory = parse_budget(args.memory)
     names = args.nets.split(",")
@@ -176,7 +159,7 @@ def main(argv=None) -> None:
         if not fits(row, memory):
             past_the_end.add(curve)
     table = with_extrapolation(points(pd.DataFrame(rows), memory))
-    command = "python -m harness.bench.figure3 " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_of("figure3", argv)
     machines = sorted({row["device_name"] for row in rows if row.get("device_name")})
     device_name = (f"measured on {', '.join(machines)}" if args.device == "cuda"
                    else "meta device: the time axis is the cost model's prediction")
@@ -188,7 +171,7 @@ def main(argv=None) -> None:
     _, axis_label = time_axis(args.device)
     claims = tc_against_chen(table)
     args.out_stem.with_suffix(".md").write_text(
-        f"Made by `{command}` on {datetime.date.today()}; {device_name}. Time: {axis_label}. A point fits when "
+        f"{made_by(command)}; {device_name}. Time: {axis_label}. A point fits when "
         f"its run is `ok` and its measured peak is within {memory / 1e9:g} GB; `vs vanilla line` is its time "
         "over vanilla's straight-line fit at the same batch." + (f" {DEVICE_TIME_NOTE}" if args.device == "cuda" else "")
         + "\n\n"

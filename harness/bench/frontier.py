@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -32,7 +31,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from harness.bench.figure3 import save_figure  # noqa: E402
+from harness.bench.common import add_rows_options, command_of, made_by, save_figure  # noqa: E402
 from harness.budget import parse_budget  # noqa: E402
 from harness.results import DEVICE_TIME_NOTE, device_time, read_row, stored_path  # noqa: E402
 from harness.run import run_cell  # noqa: E402
@@ -198,8 +197,7 @@ def main(argv=None) -> None:
     parser.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS),
                         help="torch_compile_budget's activation_memory_budget values")
     parser.add_argument("--timed-steps", type=int, default=10, help="cuda: steps timed per point, after 2 warm-ups")
-    parser.add_argument("--rows", type=Path, default=Path("results/runs"), help="where every run's row goes")
-    parser.add_argument("--from-rows", action="store_true", help="run nothing: read the rows in --rows")
+    add_rows_options(parser)
     args = parser.parse_args(argv)
     names = args.nets.split(",")
     unknown = sorted(set(names) - set(NETS)) if args.batch is None or args.side is None else []
@@ -220,7 +218,7 @@ def main(argv=None) -> None:
         rows += cells.rows
     progress.close()
     table = points(rows, args.device)
-    command = "python -m harness.bench.frontier " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_of("frontier", argv)
     machines = sorted({row["device_name"] for row in rows if row.get("device_name")})
     where = (f"measured on {', '.join(machines)}" if args.device == "cuda"
              else "meta device: peaks measured by the tracker (compiled points: the AOT replay), time is FLOPs run")
@@ -233,7 +231,7 @@ def main(argv=None) -> None:
     lines = dominance(table)
     sizes = "; ".join(f"{net} batch {args.batch or NETS[net][0]}, side {args.side or NETS[net][1]}" for net in names)
     args.out_stem.with_suffix(".md").write_text(
-        f"Made by `{command}` on {datetime.date.today()}; {where}. {sizes}. Time: {axis_label}. `pareto`: no "
+        f"{made_by(command)}; {where}. {sizes}. Time: {axis_label}. `pareto`: no "
         "other point has both less memory and less time (on meta, swap is left out: the FLOPs do not count its "
         "copies). Swap's host link: the rows' `plan_host_bytes` each "
         "way (`host GB`); on meta its copies cost no time here."

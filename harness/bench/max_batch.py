@@ -21,10 +21,8 @@ overshoot holds. The answer is still the device's: every probe is a run there.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import platform
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +30,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
+from harness.bench.common import add_rows_options, command_of, made_by
 from harness import nets
 from harness.budget import parse_budget
 from harness.paper_numbers import TABLE1_GB
@@ -212,9 +211,7 @@ def main(argv=None) -> None:
     parser.add_argument("--strategies", default=",".join(sorted({s for s, _ in STRATEGIES})),
                         help="comma-separated; the DPs run both tc and mc")
     parser.add_argument("--device", default="meta", choices=["meta", "cuda"])
-    parser.add_argument("--rows", type=Path, default=Path("results/runs"), help="where every probe's row goes")
-    parser.add_argument("--from-rows", action="store_true",
-                        help="run nothing: replay the searches over the rows in --rows (made where --device was)")
+    add_rows_options(parser, "probe", "replay the searches over the rows in --rows (made where --device was)")
     parser.add_argument("--guess-from", type=Path, help="the rows of the same searches on meta: each search "
                         "starts from meta's answer, a batch at a time (for a device where a probe is slow)")
     parser.add_argument("--timed-steps", type=int, default=3, help="steps timed per probe (0: memory only)")
@@ -227,7 +224,7 @@ def main(argv=None) -> None:
     table = pd.DataFrame([replayed(net, strategy, options, memory, args, progress) for net, strategy, options, memory
                           in progress])
     table[["largest batch", "probes"]] = table[["largest batch", "probes"]].astype("Int64")  # NaN: not known
-    command = "python -m harness.bench.max_batch " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_of("max_batch", argv)
     measured = [r for r in _rows_of(args.rows, args.device) if r.get("device_name")]
     device_name = ("meta (the tracker's live bytes)" if args.device == "meta"
                    else ", ".join(sorted({r["device_name"] for r in measured})))
@@ -237,7 +234,7 @@ def main(argv=None) -> None:
     order = {label(s, o): i for i, (s, o) in enumerate(STRATEGIES)}
     wide = wide.reset_index().sort_values(["net", "strategy"], key=lambda c: c.map(order) if c.name == "strategy"
                                           else c.map(list(TABLE1_GB).index))
-    lines = [f"Made by `{command}` on {datetime.date.today()}, device {device_name}, {platform.machine()}, "
+    lines = [f"{made_by(command)}, device {device_name}, {platform.machine()}, "
              f"torch {torch_version}. A batch fits when its run is `ok` and its measured peak (parameters, "
              "gradients and the input batch included) is within the memory; `next batch` says why one more "
              "does not." + (f" At the largest batch: `step ms there`, the step's wall time; {DEVICE_TIME_NOTE}"

@@ -10,7 +10,6 @@ imports). Writes ``OUT_STEM.md``. Every mutant must be caught; a change that mov
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import shutil
 import subprocess
@@ -21,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+
+from harness.bench.common import command_of, made_by
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,10 +114,10 @@ def main(argv=None) -> None:
         print(f"{rows[-1]['caught']:>4}  {mutant.name}  ({rows[-1]['seconds']:.0f} s)", flush=True)
     table = pd.DataFrame(rows)
     caught = (table.caught == "yes").sum()
-    command = "python -m harness.bench.mutants " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_of("mutants", argv)
     args.out_stem.parent.mkdir(parents=True, exist_ok=True)
     args.out_stem.with_suffix(".md").write_text(
-        f"Made by `{command}` on {datetime.date.today()}, on cpu. Each bug planted alone in a scratch copy; "
+        f"{made_by(command)}, on cpu. Each bug planted alone in a scratch copy; "
         f"caught: its tests fail.\n\nCaught {caught} of {len(table)}.\n\n"
         + table.to_markdown(index=False, floatfmt=".0f") + "\n")
     print(f"caught {caught} of {len(table)}: {args.out_stem}.md")

@@ -20,8 +20,6 @@ measure: it is refused.
 from __future__ import annotations
 
 import argparse
-import datetime
-import sys
 import time
 from pathlib import Path
 
@@ -31,6 +29,7 @@ import torch.fx as fx
 from torch.profiler import profile
 from tqdm import tqdm
 
+from harness.bench.common import command_of, made_by
 import strategies
 from harness.bench.profile_step import profile_cell
 from harness.execute import recorded_recomputations
@@ -170,13 +169,13 @@ def main(argv=None) -> None:
     frame = table(pd.DataFrame(rows))
     args.out_stem.parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out_stem.with_suffix(".csv"), index=False, float_format="%.4g")
-    command = "python -m harness.bench.overhead " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_of("overhead", argv)
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     recomputing = frame[frame["recomputed calls"] > 0]
     goals = (f"Goals: ops within the bound in {(recomputing['ops ok'] == 'yes').sum()} of {len(recomputing)} "
              f"recomputing cells, Python within it in {(recomputing['python ok'] == 'yes').sum()}.")
     args.out_stem.with_suffix(".md").write_text(
-        f"Made by `{command}` on {datetime.date.today()}, on {where}, eager; per step, {args.steps} profiled steps "
+        f"{made_by(command)}, on {where}, eager; per step, {args.steps} profiled steps "
         "after one warm-up. Bounds: ops at most vanilla's + the recomputed calls' own + 2 per recomputed call; "
         "Python (host time outside ATen ops) at most 1.2x vanilla's + the recomputed calls' own, run plainly.\n\n"
         f"{goals}\n\n" + frame.to_markdown(index=False, floatfmt=".4g") + "\n"

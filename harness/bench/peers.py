@@ -12,7 +12,6 @@ overhead over the ILP's. Writes ``OUT_STEM.md`` and ``OUT_STEM.csv``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
+from harness.bench.common import made_by
 import strategies
 from harness import nets, peers
 from harness.peers import PEERS
@@ -126,7 +126,7 @@ def main(argv=None) -> None:
                + (f" --nets {args.nets}" if args.nets != ",".join(nets.available()) else "")
                + (f" --max-stages {args.max_stages}" if args.max_stages != IlpOptions().max_stages else ""))
     out.with_suffix(".md").write_text(
-        f"Made by `{command}` on {datetime.date.today()} (rows from `{args.rows}`, device `meta`; ILP: HiGHS, "
+        f"{made_by(command)} (rows from `{args.rows}`, device `meta`; ILP: HiGHS, "
         f"one thread, {args.time_limit:g} s a search, this machine's CPU). Peaks in decimal GB, parameters "
         "included; overheads in cost units of the paper's cost model.\n\n"
         + table.to_markdown(index=False, floatfmt=".2f") + "\n\n## Goals\n\n" + "\n".join(goals(table)) + "\n")

@@ -16,8 +16,6 @@ profile): use ``cpu`` or ``cuda``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from harness.bench.common import command_of, made_by
 from harness.execute import RECOMPUTE_EVENT
 from harness.measure import clear_grads
 from harness.run import build_cell, cell_row
@@ -100,11 +99,11 @@ def main(argv=None) -> None:
     figures, ops = profile_cell(cell, args.device, args.warmup, args.steps,
                                 args.out_stem.with_suffix(".json") if args.trace else None)
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    command = "python -m harness.bench.profile_step " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_of("profile_step", argv)
     lines = [f"- {name}: {value:.4g}" for name, value in figures.items()]
     ops.to_csv(args.out_stem.with_suffix(".csv"), index=False, float_format="%.4g")
     args.out_stem.with_suffix(".md").write_text(
-        f"Made by `{command}` on {datetime.date.today()}, on {where} ({'compiled' if args.compile else 'eager'}; "
+        f"{made_by(command)}, on {where} ({'compiled' if args.compile else 'eager'}; "
         f"{args.net} batch {row['batch_size']}, side {row['image_size']}; plan: {len(cell.plan.stages)} stage(s), "
         f"{bin(cell.plan.recomputed).count('1')} recomputed IR nodes). Per step, mean of {args.steps} profiled "
         f"steps after {args.warmup} warm-ups and {args.steps} unprofiled steps; every op in `{args.out_stem.name}.csv`."

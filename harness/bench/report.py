@@ -16,13 +16,13 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 from pathlib import Path
 
 import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 
+from harness.bench.common import made_by
 from harness import nets
 from harness.paper_numbers import K40C_GB, OUT_OF_MEMORY, TABLE1_GB, TABLE2_GB
 from harness.peers import PEERS
@@ -250,7 +250,7 @@ def write(table: pd.DataFrame, stem: Path, command: str) -> None:
     stem.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(stem.with_suffix(".csv"), index=False, float_format="%.3f")
     where = table.attrs.get("devices", "device and method in each row")
-    header = (f"Made by `{command}` on {datetime.date.today().isoformat()}; {where}. "
+    header = (f"{made_by(command)}; {where}. "
               "Peaks in decimal GB, parameters, buffers and the input batch included.\n\n")
     notes = f"\n{table.attrs['notes']}\n" if table.attrs.get("notes") else ""
     stem.with_suffix(".md").write_text(header + table.to_markdown(index=False, floatfmt=".2f") + "\n" + notes)

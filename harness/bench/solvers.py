@@ -10,7 +10,6 @@ and its time is reported on its own.
 from __future__ import annotations
 
 import argparse
-import datetime
 import platform
 import statistics
 import time
@@ -20,6 +19,7 @@ import numba
 import pandas as pd
 from tqdm import tqdm
 
+from harness.bench.common import made_by
 import strategies
 from harness import nets, paper_graphs
 from harness.trace import trace
@@ -84,7 +84,7 @@ def main(argv=None) -> None:
     table.to_csv(args.out.with_suffix(".csv"), index=False, float_format="%.4f")
     command = " ".join(["python -m harness.bench.solvers", str(args.out)] + [
         f"--repeat {args.repeat}"] + ([f"--max-lower-sets {args.max_lower_sets}"] if args.max_lower_sets else []))
-    header = (f"Made by `{command}` on {datetime.date.today().isoformat()}, "
+    header = (f"{made_by(command)}, "
               f"{platform.processor() or platform.machine()}, one process, {numba.get_num_threads()} numba threads "
               f"(the DPs' two passes over every transition run on all of them); times are medians of {args.repeat} "
               f"runs, after a warm-up that compiled or loaded the numba kernels in {warm_up_s:.1f} s.\n\n")

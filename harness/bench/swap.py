@@ -19,9 +19,7 @@ split as ResNet-200's stages are ([3, 131, 196, 3] and [3, 264, 396, 3]): 3 laye
 from __future__ import annotations
 
 import argparse
-import datetime
 import platform
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -29,6 +27,7 @@ import torch
 from torchvision.models.resnet import Bottleneck, ResNet
 from tqdm import tqdm
 
+from harness.bench.common import command_of, made_by
 import strategies
 from harness.execute import execute
 from harness.bench.max_batch import largest_batch as search_largest
@@ -108,7 +107,7 @@ def main(argv=None):
                         "Meng et al. 2017 (M40, TF r1.2)": paper if paper is not None else ""})
     nets = args.nets.split(",")
     peaks = [row for name in tqdm(nets, desc="ResNets at batch 32") for row in resnet_rows(name, args.device)]
-    command = "python -m harness.bench.swap " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_of("swap", argv)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "meta (tracker)"
     table_1, table_2 = pd.DataFrame(batches), pd.DataFrame(peaks)
     memory_columns = ["net", "blocks", "strategy", "batch", "measured GB", "predicted GB", "host GB", "Meng et al. 2017 MB"]
@@ -116,7 +115,7 @@ def main(argv=None):
     if args.device == "cuda":
         time_columns.append("measured step ms")
     lines = [
-        f"Made by `{command}` on {datetime.date.today()}, device {device_name}, {platform.machine()}, torch "
+        f"{made_by(command)}, device {device_name}, {platform.machine()}, torch "
         f"{torch.__version__}.",
         "",
         "## Largest ResNet-50 batch within a 12 GiB device (224x224; measured peak, parameters and gradients "
