@@ -74,7 +74,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from harness.measure import MemoryTracker, clear_grads
-from harness.trace import Traced, generators_of, state_kept
+from harness.state import generators_of, state_kept
+from harness.trace import Traced
 from strategies import Inapplicable, Plan
 
 

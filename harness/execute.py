@@ -91,8 +91,9 @@ import torch.fx as fx
 
 from harness.measure import on_host, recomputing
 from harness.nets import sum_loss
-from harness.trace import (Traced, generators_of, grad_mode, rng_state, same_rng_state, set_rng_state,
-                           tensors_of, written_state)
+from harness.state import (generators_of, grad_mode, rng_state, same_rng_state, set_rng_state, tensors_of,
+                           written_state)
+from harness.trace import Traced
 from strategies import Plan, bits, members
 from strategies.simulate import called_for
 
