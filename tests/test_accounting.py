@@ -710,7 +710,11 @@ def test_the_minimal_budget_is_the_measured_peak_and_is_accepted(net):
         minimum = refused.value.min_feasible_bytes
         plan = strategies.solve(name, traced.graph, minimum)  # the least it names is accepted
         measured, _ = measured_and_predicted(model, x, loss_fn, traced, plan)
-        assert minimum + static == pytest.approx(measured, rel=0.01), (name, minimum + static, measured)
+        # One-sided: the least budget a strategy names is the replay of the least plan its search found, not a
+        # proven minimum; solved at that budget, approx_dp's bisection can find a plan that holds less (ResNet-50
+        # 0.07% and PSPNet 0.25% less here). The plan it returns measures what its replay predicts, to the byte.
+        assert measured <= minimum + static <= 1.005 * measured, (name, minimum + static, measured)
+        assert measured == strategies.simulate(traced.graph, plan).peak_bytes + static
 
 
 @pytest.mark.parametrize("net", ["resnet50", "unet", "googlenet"])

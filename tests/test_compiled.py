@@ -427,9 +427,14 @@ def test_the_frontier_runs_the_points_asked_for_and_reads_them_back(tmp_path):
     table = pd.read_csv(tmp_path / "f.csv")
     assert sorted(table.point) == sorted(["vanilla", "vanilla", "torch_compile_budget 0.5"]
                                          + [f"approx_dp @ {b / 1e9:.2f} GB" for b in budgets for _ in (0, 1)])
-    assert (table.status == "ok").all() and table.compiled.sum() == 4
-    ours = table[table.strategy == "approx_dp"]
-    assert (ours["peak GB"] <= ours["budget GB"] * 1.001).all()  # each within its budget (the tracker's figure)
+    assert table.compiled.sum() == 4
+    # Each point within its budget, or, compiled at the eager plan's least budget, infeasible where the compiler
+    # holds more than the plan (NOTE [what the compiler holds besides the plan] in harness/run.py).
+    refused = table[table.status != "ok"]
+    assert (refused.status == "infeasible").all() and refused.compiled.all() and (refused.strategy == "approx_dp").all()
+    assert all("compiled, which holds" in note for note in refused.note)
+    ours = table[(table.strategy == "approx_dp") & (table.status == "ok")]
+    assert len(ours) >= 3 and (ours["peak GB"] <= ours["budget GB"] * 1.001).all()
     text = (tmp_path / "f.md").read_text()
     assert "torch_compile_budget 0.5 (" in text and text.count("- vgg19, vanilla") == 2
     assert (tmp_path / "f_vgg19.png").stat().st_size > 10_000
