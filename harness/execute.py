@@ -56,7 +56,7 @@ of a recomputing step's host work (ResNet-50, ``chen_sqrt``: 166 ``aten::equal``
 copies and ``detach``es around them, 6,875 ATen calls against plain PyTorch's 3,191). Whether a call draws
 is the program's, not the step's: the first step that runs a call under a plan compares the states around
 it, and later steps take the state only before the calls that drew (``_static(module).draws``, one table per
-setting of the modules' ``training`` flags, so ``eval()`` and back learn again). A call that draws only on
+setting of the modules' ``training`` flags and devices, so ``eval()`` and back learn again). A call that draws only on
 some steps (a dropout whose probability was 0) would then be replayed from the wrong state; instead, a
 stage whose recomputation replays no draw checks that it drew nothing, and a step where it did fails,
 naming the calls (``_drawing_nothing``). A stage that replays a draw puts the program's state back after
@@ -249,7 +249,9 @@ class _Step:
         self.default_device_mode = torch.device(default) if default.type != "cpu" else contextlib.nullcontext()
         static = _static(module)
         self.rng = ({t.device for t in held}, static.generators)
-        self.draws = static.draws.setdefault(tuple(m.training for m in static.modules.values()), {})
+        # meta's kernels draw nothing: what is learned there does not hold on a device that runs them
+        self.draws = static.draws.setdefault((tuple(m.training for m in static.modules.values()),
+                                              frozenset(str(d) for d in self.rng[0])), {})
         for node in self.order:
             if node.op == "output":
                 return self._load(node.args[0])

@@ -1,4 +1,5 @@
-"""Kusumoto et al.'s Figure 3, step time against batch size: ``python -m harness.bench.figure3 OUT_STEM [--device cuda]``.
+"""Kusumoto et al.'s Figure 3, step time against batch size: ``python -m harness.bench.figure3 OUT_STEM
+[--device cuda]``.
 
 Per net (ResNet-152 and PSPNet by default), over batch sizes beyond vanilla's largest, on a device of
 ``--memory`` (11.4 GB, the paper's K40c): ``vanilla`` where it fits, with its straight-line fit extended
@@ -173,7 +174,8 @@ def main(argv=None) -> None:
     args.out_stem.with_suffix(".md").write_text(
         f"{made_by(command)}; {device_name}. Time: {axis_label}. A point fits when "
         f"its run is `ok` and its measured peak is within {memory / 1e9:g} GB; `vs vanilla line` is its time "
-        "over vanilla's straight-line fit at the same batch." + (f" {DEVICE_TIME_NOTE}" if args.device == "cuda" else "")
+        "over vanilla's straight-line fit at the same batch."
+        + (f" {DEVICE_TIME_NOTE}" if args.device == "cuda" else "")
         + "\n\n"
         + "".join(f"- {line}\n" for line in claims) + "\n"
         + table.to_markdown(index=False, floatfmt=".3g") + "\n")

@@ -53,7 +53,8 @@ MUTANTS = [
            ("tests/test_accounting.py::test_predicted_peak_is_the_measured_one_to_the_byte",)),
     Mutant("a recomputed BatchNorm starts from the state its forward call left, and updates it again",
            "harness/execute.py",
-           "                else:\n                    swapped.append((t, t.data))\n                    t.data = found[i]\n",
+           "                else:\n                    swapped.append((t, t.data))\n"
+           "                    t.data = found[i]\n",
            "                else:\n                    pass\n",
            ("tests/test_any_model.py::test_side_effects_are_replayed_by_mechanism",
             "tests/test_any_model.py::test_a_layer_that_reads_the_state_it_writes_is_recomputed_from_the_state_its_"

@@ -133,7 +133,8 @@ def table(rows: pd.DataFrame) -> pd.DataFrame:
             ops_bound = None if peer else vanilla.ops + row["their ops"] + CALL_OPS * row["recomputed calls"]
             python_bound = None if peer else PYTHON_FACTOR * vanilla["python ms"] + row["their python ms"]
             out.append({"net": net, "strategy": row.strategy, "recomputed calls": row["recomputed calls"],
-                        "ops": row.ops, "ops bound": ops_bound, "ops ok": "" if peer else "yes" if row.ops <= ops_bound else "no",
+                        "ops": row.ops, "ops bound": ops_bound,
+                        "ops ok": "" if peer else "yes" if row.ops <= ops_bound else "no",
                         "ops / vanilla": row.ops / vanilla.ops,
                         "ops / checkpoint_blocks": row.ops / blocks.ops.iloc[0] if len(blocks) else None,
                         "python ms": row["python ms"], "python bound": python_bound,

@@ -67,7 +67,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m harness.bench.solvers", description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="output path without suffix")
     parser.add_argument("--paper-dir", type=Path, default=None,
-                        help=f"a folder of the paper's graphs (default: ${paper_graphs.ENVIRONMENT}; none: zoo nets only)")
+                        help=f"a folder of the paper's graphs (default: ${paper_graphs.ENVIRONMENT}; none: the zoo's "
+                             "nets only)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--max-lower-sets", type=int, default=None,
                         help="report exact_dp as not run on graphs with more lower sets (it needs memory for "
