@@ -628,14 +628,20 @@ class _Step:
         return written_state(self.traced.module, node, args, kwargs, self.buffer_ids, self.written, module)
 
     def _call(self, node: fx.Node, args, kwargs):
-        if node.op == "get_attr":
-            return _fetch_attr(self.traced.module, node.target)
-        with grad_mode(node):
-            if node.op == "call_function":
-                return node.target(*args, **kwargs)
-            if node.op == "call_method":
-                return getattr(args[0], node.target)(*args[1:], **kwargs)
-            return self.modules[node.target](*args, **kwargs)
+        return call_node(self.traced.module, self.modules, node, args, kwargs)
+
+
+def call_node(module: fx.GraphModule, modules: dict[str, torch.nn.Module], node: fx.Node, args, kwargs):
+    """Run one fx node of ``module`` on ``args`` and ``kwargs`` in the grad mode the model ran it in;
+    ``modules``: its submodules by name (``_static(module).modules``)."""
+    if node.op == "get_attr":
+        return _fetch_attr(module, node.target)
+    with grad_mode(node):
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        return modules[node.target](*args, **kwargs)
 
 
 _EXTRAS_ONLY = object()  # a recomputed group whose value no token reads any more (its extras may be)

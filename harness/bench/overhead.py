@@ -29,14 +29,14 @@ import torch.fx as fx
 from torch.profiler import profile
 from tqdm import tqdm
 
-from harness.bench.common import command_of, made_by
 import strategies
-from harness.bench.profile_step import profile_cell
-from harness.execute import recorded_recomputations
+from harness.bench.common import command_of, made_by
+from harness.bench.profile_step import aten_calls, host_ops, profile_cell
+from harness.execute import call_node, recorded_recomputations
 from harness.measure import clear_grads
 from harness.results import label
 from harness.run import build_cell, cell_row
-from harness.state import generators_of, grad_mode, state_kept
+from harness.state import generators_of, state_kept
 from harness.trace import Traced
 
 DEVICES = ("cpu", "cuda")
@@ -49,16 +49,16 @@ CALL_OPS = 2  # ops a recomputed call may add beside its own
 PYTHON_FACTOR = 1.2  # of vanilla's host time outside ATen
 
 
-def ops_and_python(run, steps: int = 1) -> tuple[float, float]:
-    """(ATen op calls, host ms outside ATen ops) per call of ``run``, profiled ``steps`` times."""
+def ops_and_python(run, device: str, steps: int = 1) -> tuple[float, float]:
+    """(ATen op calls, host ms outside ATen ops) per call of ``run``, profiled ``steps`` times, counted as
+    ``profile_step.profile_cell`` counts a step."""
     with profile() as prof:
         start = time.perf_counter()
         for _ in range(steps):
             run()
-        wall_ms = (time.perf_counter() - start) * 1e3
-    events = [e for e in prof.key_averages() if not e.key.startswith("cuda")]
-    in_ops_ms = sum(e.self_cpu_time_total for e in events) / 1e3
-    return sum(e.count for e in events) / steps, max(0.0, wall_ms - in_ops_ms) / steps
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    ops = host_ops(prof.key_averages(), steps, device)
+    return aten_calls(ops), max(0.0, wall_ms - ops["host self ms"].sum())
 
 
 def plain_recomputation(traced: Traced, example_input: torch.Tensor, names: list[str],
@@ -69,6 +69,7 @@ def plain_recomputation(traced: Traced, example_input: torch.Tensor, names: list
     module = traced.module
     rng = ({example_input.device}, generators_of(module))
     nodes = {node.name: node for node in module.graph.nodes}
+    submodules = {name: m for name, m in module.named_modules() if name}
     calls = {}
     with torch.no_grad(), state_kept(module, rng):
         values = {}
@@ -76,33 +77,18 @@ def plain_recomputation(traced: Traced, example_input: torch.Tensor, names: list
             if node.op == "output":
                 break
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: values[a.name])
-            values[node.name] = example_input if node.op == "placeholder" else _call(module, node, args, kwargs)
+            values[node.name] = (example_input if node.op == "placeholder"
+                                  else call_node(module, submodules, node, args, kwargs))
         for name in names:
             calls[name] = fx.node.map_arg((nodes[name].args, nodes[name].kwargs), lambda a: values[a.name])
-        submodules = dict(module.named_modules())
 
         def run():
             for name in names:
                 args, kwargs = calls[name]
-                _call(module, nodes[name], args, kwargs, submodules)
+                call_node(module, submodules, nodes[name], args, kwargs)
 
         run()  # warm-up
-        return ops_and_python(run, steps)
-
-
-def _call(module, node: fx.Node, args, kwargs, submodules=None):
-    if node.op == "get_attr":
-        value = module
-        for part in node.target.split("."):
-            value = getattr(value, part)
-        return value
-    with grad_mode(node):
-        if node.op == "call_function":
-            return node.target(*args, **kwargs)
-        if node.op == "call_method":
-            return getattr(args[0], node.target)(*args[1:], **kwargs)
-        target = submodules[node.target] if submodules else module.get_submodule(node.target)
-        return target(*args, **kwargs)
+        return ops_and_python(run, example_input.device.type, steps)
 
 
 def measure_cell(net: str, strategy: str, options: dict, device: str, steps: int) -> dict:

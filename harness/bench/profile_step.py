@@ -30,6 +30,20 @@ from harness.measure import clear_grads
 from harness.run import build_cell, cell_row
 
 
+def host_ops(events, steps: int, device: str) -> pd.DataFrame:
+    """The ops a profile's ``events`` (``key_averages()``) ran on the host, per step: calls, host self time, and
+    on cuda the device time of their kernels. The recomputation marks (``RECOMPUTE_EVENT``) are no op."""
+    return pd.DataFrame([{"op": e.key, "calls per step": e.count / steps,
+                          "host self ms": e.self_cpu_time_total / 1e3 / steps,
+                          "device self ms": e.self_device_time_total / 1e3 / steps if device == "cuda" else None}
+                         for e in events if e.device_type == DeviceType.CPU and e.key != RECOMPUTE_EVENT])
+
+
+def aten_calls(ops: pd.DataFrame) -> float:
+    """The ATen op calls per step of ``host_ops``' table (the CUDA runtime's calls left out)."""
+    return ops[~ops["op"].str.startswith("cuda")]["calls per step"].sum()
+
+
 def profile_cell(cell, device: str, warmup: int, steps: int, trace_path: Path | None = None):
     """(figures, ops table) of ``steps`` profiled steps of ``cell`` (``build_cell``'s), after ``warmup`` steps
     and ``steps`` unprofiled ones."""
@@ -51,18 +65,14 @@ def profile_cell(cell, device: str, warmup: int, steps: int, trace_path: Path | 
     if trace_path is not None:
         prof.export_chrome_trace(str(trace_path))
     events = prof.key_averages()
-    host = [e for e in events if e.device_type == DeviceType.CPU and e.key != RECOMPUTE_EVENT]  # ops only
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
-    ops = pd.DataFrame([{"op": e.key, "calls per step": e.count / steps,
-                         "host self ms": e.self_cpu_time_total / 1e3 / steps,
-                         "device self ms": e.self_device_time_total / 1e3 / steps if device == "cuda" else None}
-                        for e in host])
+    ops = host_ops(events, steps, device)
     in_ops_ms = ops["host self ms"].sum()
     recomputing_ms = sum(e.cpu_time_total for e in events if e.key == RECOMPUTE_EVENT) / 1e3 / steps
     figures = {"wall ms per step, unprofiled": unprofiled_ms, "wall ms per step": wall_ms,
                "host ms recomputing (in the backward)": recomputing_ms, "host ms in ATen ops": in_ops_ms,
                "host ms outside them (Python)": max(0.0, wall_ms - in_ops_ms),
-               "ATen op calls per step": ops[~ops["op"].str.startswith("cuda")]["calls per step"].sum()}
+               "ATen op calls per step": aten_calls(ops)}
     if device == "cuda":
         kernel_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
         figures.update({"GPU kernel ms per step": kernel_ms, "GPU busy fraction": kernel_ms / wall_ms})
