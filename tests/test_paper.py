@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import nets
-from harness.bench import figure3, max_batch
+from harness.bench import figure3, max_batch, report
 from harness.paper_numbers import TABLE1_GB, TABLE2_GB
 from harness.bench.report import table1, table2
 from harness.budget import parse_budget
@@ -197,15 +197,31 @@ def test_tables_put_every_device_beside_the_paper():
          "measured_peak_bytes": None, "predicted_peak_bytes": None},
     ])
     compiled = {**rows.iloc[2].to_dict(), "compiled": True, "timestamp": "5", "measured_peak_bytes": 3e9}
-    rows = pd.concat([rows.assign(compiled=False), pd.DataFrame([compiled])], ignore_index=True)
+    other_card = {**rows.iloc[1].to_dict(), "device_name": "NVIDIA H200", "timestamp": "6", "step_time_ms": 45.0}
+    rows = pd.concat([rows.assign(compiled=False), pd.DataFrame([compiled, other_card])], ignore_index=True)
     table = table1(rows)
-    assert "cuda: NVIDIA H100 80GB HBM3, cuda-allocator" in table.attrs["devices"]  # the md's first line says it
+    assert "H100: NVIDIA H100 80GB HBM3, cuda-allocator" in table.attrs["devices"]  # the md's first line says it
+    assert "H200: NVIDIA H200, cuda-allocator" in table.attrs["devices"]
     table = table.set_index("strategy")
-    assert table.loc["vanilla", "cuda GB"] == 9.0 and table.loc["vanilla", "meta GB"] == 8.0
+    assert table.loc["vanilla", "H100 GB"] == 9.0 and table.loc["vanilla", "meta GB"] == 8.0
+    assert (table.loc["vanilla", "H100 step ms"], table.loc["vanilla", "H200 step ms"]) == (50.0, 45.0)  # one card each
     assert table.loc["chen_sqrt", "meta vs vanilla"] == "-50%"  # the newer compiled row is another program
-    assert table.loc["chen_sqrt", "cuda GB"] == "oom"  # a run that did not fit says so
+    assert table.loc["chen_sqrt", "H100 GB"] == "oom"  # a run that did not fit says so
     assert table.loc["chen_sqrt", "paper GB"] == TABLE1_GB["resnet50"][("chen_sqrt", "")]
     assert table2(rows).set_index("strategy").loc["chen_sqrt", "ours GB (no liveness)"] == 20.0
+
+
+def test_a_table_reads_only_the_row_folders_it_is_given(tmp_path):
+    for folder, name in (("meta", "meta"), ("h100", "NVIDIA H100 80GB HBM3"), ("h200", "NVIDIA H200")):
+        write_row({"schema_version": 2, "net": "resnet50", "strategy": "vanilla", "options": {}, "batch_size": 96,
+                   "image_size": 224, "budget_bytes": None, "cost_model": "paper", "status": "ok",
+                   "device": "meta" if folder == "meta" else "cuda", "device_name": name, "method": "m",
+                   "torch_version": "2.x", "timestamp": folder, "measured_peak_bytes": 8e9, "total_cost": 1.0,
+                   "predicted_peak_bytes": 8e9, "step_time_ms": 50.0}, tmp_path / folder)
+    report.main(["table1", str(tmp_path / "meta"), str(tmp_path / "h100"), str(tmp_path / "t1")])
+    written = (tmp_path / "t1.md").read_text()
+    assert f"report table1 {tmp_path / 'meta'} {tmp_path / 'h100'} {tmp_path / 't1'}`" in written
+    assert "H100 GB" in written and "H200" not in written  # the folder left out stays out
 
 
 def test_slurm_launcher_asks_one_gpu_per_job():

@@ -1,12 +1,14 @@
 """Tables from result rows (read only through ``load_results``); labels for people live here.
 
-``python -m harness.bench.report TABLE ROWS_DIR OUT_STEM`` writes ``OUT_STEM.md`` and ``OUT_STEM.csv``:
+``python -m harness.bench.report TABLE ROWS_DIR [ROWS_DIR ...] OUT_STEM`` writes ``OUT_STEM.md`` and ``OUT_STEM.csv``
+from the rows in the folders named, and no others:
 - ``spine``: per net, the graph's size beside Kusumoto et al.'s #V and the measured and predicted peaks of
   ``vanilla`` and ``liveness_only`` beside the paper's vanilla figure;
 - ``strategies``: per net and strategy, measured and predicted peaks and the reduction against vanilla,
   beside Kusumoto et al.'s Table 1;
 - ``table1``: Kusumoto et al.'s Table 1 (peak GB and reduction against vanilla at the paper's sizes, DPs at their
-  minimal budget) with ours beside each published cell: predicted, measured on meta, measured on cuda;
+  minimal budget) with ours beside each published cell: predicted, measured on meta, measured on each GPU card
+  (a column per card: rows of two cards never share one);
 - ``table2``: Kusumoto et al.'s Table 2 (appendix C, no liveness analysis) beside the simulator's no-liveness replay;
 - ``transformers``: ``strategies`` on ``vit_b_16`` and ``gpt2``, with the goal against the PyTorch peers.
 
@@ -98,12 +100,21 @@ PAPER_ORDER = ("approx_dp (mc)", "approx_dp (tc)", "exact_dp (mc)", "exact_dp (t
                "liveness_only", "chen_greedy", "swap")
 
 
-def _latest_cells(rows: pd.DataFrame, device: str) -> dict[tuple[str, str], pd.Series]:
-    """The newest eager row of each (net, label) on ``device`` at the net's paper sizes and the minimal
-    budget (a compiled step is another program: the frontier's compiled points stay out of Kusumoto et al.'s
-    tables)."""
+def card(row) -> str:
+    """What a measured column is named after: the device for meta and cpu, the GPU's model for cuda
+    (``NVIDIA H100 80GB HBM3`` -> ``H100``), so that rows of two cards never fill one column."""
+    if row.device != "cuda":
+        return row.device
+    words = str(row.device_name).replace("NVIDIA ", "").split()
+    return words[0] if words else "cuda"
+
+
+def _latest_cells(rows: pd.DataFrame, where: str) -> dict[tuple[str, str], pd.Series]:
+    """The newest eager row of each (net, label) measured on ``where`` (a ``card``) at the net's paper sizes and
+    the minimal budget (a compiled step is another program: the frontier's compiled points stay out of Kusumoto
+    et al.'s tables)."""
     cells = {}
-    eager = rows[rows.device == device]
+    eager = rows[[card(row) == where for row in rows.itertuples()]]
     if "compiled" in eager:
         eager = eager[~eager.compiled.fillna(False).astype(bool)]
     for _, row in eager.sort_values("timestamp").iterrows():
@@ -144,11 +155,12 @@ def _ordered_labels(cells: dict, net: str) -> list[str]:
 
 def table1(rows: pd.DataFrame) -> pd.DataFrame:
     """Kusumoto et al.'s Table 1 with ours beside each cell: the simulator's prediction, and the measured peak on
-    every device that has rows (meta: the tracker's live bytes; cuda: the allocator's peak)."""
+    every device that has rows (meta: the tracker's live bytes; a GPU card, named by ``card``: the allocator's
+    peak, with its step time)."""
     rows = rows[rows.strategy.isin({name.split(" ")[0] for name in PAPER_ORDER})]
     rows = rows[[o.get("memory_model") != "paper" for o in rows.options]]  # those are Table 2's
-    devices = [d for d in ("meta", "cpu", "cuda") if d in set(rows.device)]
-    by_device = {device: _latest_cells(rows, device) for device in devices}
+    cards = sorted({card(row) for row in rows.itertuples()}, key=lambda c: (c not in ("meta", "cpu"), c))
+    by_device = {where: _latest_cells(rows, where) for where in cards}
     out = []
     for net in _paper_net_order():
         labels = _ordered_labels({k: v for cells in by_device.values() for k, v in cells.items()}, net)
@@ -163,13 +175,13 @@ def table1(rows: pd.DataFrame) -> pd.DataFrame:
                 row = cells.get((net, name))
                 line[f"{device} GB"] = _peak(row)
                 line[f"{device} vs vanilla"] = _vs(line[f"{device} GB"], vanilla[device])
-                if device == "cuda":
-                    line["cuda step ms"] = (row.step_time_ms if row is not None and row.status == "ok"
-                                            else float("nan"))
+                if device not in ("meta", "cpu"):
+                    line[f"{device} step ms"] = (row.step_time_ms if row is not None and row.status == "ok"
+                                                 else float("nan"))
             line["overhead / forward"] = _ratio(any_row.get("predicted_overhead_cost"), any_row.total_cost)
             out.append(line)
     table = pd.DataFrame(out)
-    table.attrs["devices"] = "columns by device: " + _devices(by_device)
+    table.attrs["devices"] = "columns by device or card: " + _devices(by_device)
     return table
 
 
@@ -276,11 +288,12 @@ class WriteTable(Callback):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m harness.bench.report", description=__doc__.splitlines()[0])
     parser.add_argument("table", choices=sorted(TABLES))
-    parser.add_argument("rows", type=Path, help="folder of result rows")
+    parser.add_argument("rows", type=Path, nargs="+", help="folders of result rows (only these are read)")
     parser.add_argument("out", type=Path, help="output path without suffix (.md and .csv are written)")
     args = parser.parse_args(argv)
-    table = TABLES[args.table](load_results(args.rows))
-    write(table, args.out, f"python -m harness.bench.report {args.table} {args.rows} {args.out}")
+    rows = pd.concat([load_results(folder) for folder in args.rows], ignore_index=True)
+    folders = " ".join(str(folder) for folder in args.rows)
+    write(TABLES[args.table](rows), args.out, f"python -m harness.bench.report {args.table} {folders} {args.out}")
 
 
 if __name__ == "__main__":
