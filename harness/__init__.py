@@ -4,6 +4,7 @@ measurement (``harness.measure``), the entry point (``python -m harness``) and r
 from harness import nets
 from harness.execute import execute
 from harness.results import load_results
-from harness.trace import Traced, trace
+from harness.trace import trace
+from harness.traced import Traced
 
 __all__ = ["Traced", "execute", "load_results", "nets", "trace"]

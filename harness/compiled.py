@@ -75,7 +75,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from harness.measure import MemoryTracker, clear_grads
 from harness.state import generators_of, state_kept
-from harness.trace import Traced
+from harness.traced import Traced
 from strategies import Inapplicable, Plan
 
 

@@ -42,7 +42,7 @@ layer is. Both are done by mechanism, with no list of layer types:
   forward call to the recomputation, or to the end of the forward pass where no backward calls for the
   stage; the replay counts them (``Graph.recompute_state_bytes``). A write to state by a node of its own
   (``self.steps.add_(1)``) is outside the IR and runs once, in the forward pass (NOTE [state the forward
-  writes] in ``harness/trace.py``).
+  writes] in ``harness/tracer.py``).
 - Grad mode. A node the model ran under ``no_grad`` runs under it here too (NOTE [grad mode] there).
 - In-place ops. A recomputation under ``no_grad`` runs any in-place op as it is. A layer rerun with
   autograd on, to collect what it saves besides node values, gets inputs that are fresh non-leaf aliases
@@ -93,9 +93,9 @@ from harness.measure import on_host, recomputing
 from harness.nets import sum_loss
 from harness.state import (generators_of, grad_mode, rng_state, same_rng_state, set_rng_state, tensors_of,
                            written_state)
-from harness.trace import Traced
+from harness.traced import Traced
 from strategies import Plan, bits, members
-from strategies.simulate import called_for
+from strategies.replay import called_for
 
 
 
@@ -356,7 +356,7 @@ class _Step:
 
     def drop_unreached(self):
         """Let go of what the layers no gradient reaches saved, at the loss, where plain PyTorch lets go of
-        their autograd graph with the outputs (NOTE [what no gradient reaches] in ``harness/trace.py``): a
+        their autograd graph with the outputs (NOTE [what no gradient reaches] in ``harness/backward_profile.py``): a
         tensor held here would live to the step's end, and a token would hold a stage's kept values."""
         for saved in self.unreached_saves:
             if saved.swapped is not None:
@@ -478,7 +478,7 @@ class _Step:
 
     def _recompute_stage(self, stage: int):
         # Only what a token will read, and what that is made from (NOTE [what a recomputation makes] in
-        # strategies/simulate.py); a layer not rerun lets go of the state its forward call found.
+        # strategies/replay.py); a layer not rerun lets go of the state its forward call found.
         discarded = self.plan.stages[stage] & ~self.plan.kept
         made = self.traced.graph.with_inputs_within(bits(g for g in members(discarded) if self.tokens_left.get(g)),
                                                     discarded)
@@ -717,7 +717,7 @@ def _delayed(nodes: list[fx.Node], traced: Traced) -> dict[str, int]:
     the first such write: the member runs just before it. torchvision's bottleneck computes ``bn3(conv3)``,
     then its downsampling branch, then ``out += identity``; run in that order, autograd would make the
     branch's nodes between the batch norm's and the addition's, and run the branch's backward in the middle
-    of the IR node's (NOTE [augmented assignments] in ``harness/trace.py``)."""
+    of the IR node's (NOTE [augmented assignments] in ``harness/tracer.py``)."""
     delayed, next_write = {}, {}
     for index in reversed(range(len(nodes))):
         name = nodes[index].name

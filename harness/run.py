@@ -27,7 +27,8 @@ from harness.compiled import plan_step as compiled_plan_step
 from harness.execute import execute
 from harness.measure import check_device, measure
 from harness.results import SCHEMA_VERSION, cell_name, read_row, write_row
-from harness.trace import check_cost_model, trace
+from harness.cost_models import check_cost_model
+from harness.trace import trace
 from strategies.simulate import step_flops
 
 log = logging.getLogger(__name__)

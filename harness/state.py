@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 
 def grad_mode(node: fx.Node):
-    """The grad mode the model's code ran ``node`` in (NOTE [grad mode] in ``harness/trace.py``)."""
+    """The grad mode the model's code ran ``node`` in (NOTE [grad mode] in ``harness/tracer.py``)."""
     return torch.no_grad() if node.meta.get("no_grad") else contextlib.nullcontext()
 
 

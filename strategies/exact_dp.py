@@ -22,7 +22,7 @@ from strategies.graph import Graph, words_of
 from strategies.lower_set_dp import minimal_budget, prepare, solve_family
 from strategies.lower_sets import all_lower_set_words, principal_lower_sets
 from strategies.plan import Plan, SolverTimeout
-from strategies.simulate import dp_view
+from strategies.equation2 import dp_view
 
 # Budgets are judged by the liveness replay (memory_model=paper: equation (2), Kusumoto et al.'s; NOTE [judging a
 # DP's budget] in lower_set_dp.py).

@@ -94,7 +94,7 @@ class Graph:
     adds nothing (None, the default: each output's value's size; zero for every other node).
     ``loss_reads`` lists the outputs whose values the loss's backward reads (a mean squared error saves its
     input). They stay until the loss's backward is done, and if the plan discards one, that backward
-    recomputes its stage (NOTE [the loss] in ``harness/trace.py``).
+    recomputes its stage (NOTE [the loss] in ``harness/backward_profile.py``).
 
     ``grad_shares[v]`` says which predecessors' gradients the backward of ``v`` hands over without a
     buffer of their own, as pairs ``(preds, nbytes)``: ``nbytes == -1``, they are ``v``'s own incoming
@@ -110,7 +110,7 @@ class Graph:
     ``backward_peak_bytes[v]`` is the most the backward of ``v``'s layer holds above what was live as it
     began: the gradients it makes less what it frees on the way (its saved extras, as each of its autograd
     nodes finishes, and the gradient it received), forward values aside; measured in a plain step on a
-    traced graph, None on hand-written ones (NOTE [a layer's backward peak] in ``strategies/simulate.py``).
+    traced graph, None on hand-written ones (NOTE [a layer's backward peak] in ``strategies/replay.py``).
     ``backward_frees[v]`` is ``(values, peak)``: the nodes whose values the backward of ``v``'s layer freed
     as it ran, in that plain step (a parametrized layer's saved input goes when its convolution's backward
     is done, before the backward of the weight's normalisation), and the most it held above what was live
@@ -130,7 +130,7 @@ class Graph:
     ``attribute_bytes[v]`` is what ``v``'s layer call leaves on a module as an attribute (the weight the
     pre-hook ``spectral_norm`` computes): made by its first call and held to the step's end whatever the
     plan, and made again by a recomputation's pre-hook, a moment before its layer runs (NOTE [tensors a module keeps] in
-    ``harness/trace.py``); zero on hand-written graphs. ``attribute_saved[v]``: the layer saves it for its
+    ``harness/probe.py``); zero on hand-written graphs. ``attribute_saved[v]``: the layer saves it for its
     backward too, which then calls for ``v``'s recomputation where a plan discards it.
     ``early_grads[v]`` are the predecessors whose gradient ``v``'s in-place members make, before the rest
     of its layer's backward runs (torchvision's ``out += identity`` after a batch norm: the addition hands
@@ -138,17 +138,17 @@ class Graph:
     ``unreached`` are the nodes no gradient reaches, whose layers' backward never runs: an auxiliary head
     the loss leaves out, a mask made from the input. They get no gradient and hand none on, their
     parameters get none, and what their layers saved (``backward_reads``, ``saved_extra_bytes``) goes at the
-    loss's forward, with the outputs (NOTE [what no gradient reaches] in ``harness/trace.py``); measured
+    loss's forward, with the outputs (NOTE [what no gradient reaches] in ``harness/backward_profile.py``); measured
     when the graph was traced with its loss, empty on hand-written graphs.
     ``preds_without_grad[v]`` are the predecessors the backward of ``v`` hands no gradient, though it runs
     and they take one from elsewhere: a value ``v`` reads through ``.detach()`` (a straight-through
     estimator's ``z + (q - z).detach()``, a stop-gradient), or one it only follows (NOTE [state the forward
-    writes] in ``harness/trace.py``); measured when the graph was traced with its loss, empty on hand-written
+    writes] in ``harness/tracer.py``); measured when the graph was traced with its loss, empty on hand-written
     graphs, where every predecessor takes a gradient of its value's size, as Kusumoto et al. 2019 has it.
     ``shared_state[v]`` names the state ``v``'s layers use that other nodes use too, and that the forward
     pass uses in the program's order whatever the stages (the random generators, a buffer: a BatchNorm
     called on two views updates its running statistics in order): a node runs after every earlier one
-    that uses the same state (``forward_order`` in ``strategies/simulate.py``); empty on hand-written graphs.
+    that uses the same state (``forward_order`` in ``strategies/replay.py``); empty on hand-written graphs.
     """
 
     mem_bytes: tuple[int, ...]
@@ -346,14 +346,14 @@ class Graph:
     def never_recomputed(self) -> int:
         """The values no recomputation makes, whatever the plan: those no gradient reaches (an auxiliary
         head's) that no value a gradient reaches is made from (NOTE [what a recomputation makes] in
-        ``strategies/simulate.py``)."""
+        ``strategies/replay.py``)."""
         reached = sum(1 << v for v in range(len(self)) if self.reached[v])
         return self.all_nodes & ~self.with_inputs_within(reached, self.all_nodes)
 
     def with_inputs_within(self, nodes: int, within: int) -> int:
         """``nodes`` and the nodes of ``within`` they read, directly or through other nodes of ``within``:
         what a recomputation of ``within`` runs to make ``nodes`` (NOTE [what a recomputation makes] in
-        ``strategies/simulate.py``)."""
+        ``strategies/replay.py``)."""
         for v in reversed(members(within)):  # a node's inputs come before it
             if nodes >> v & 1:
                 nodes |= self.pred_mask[v] & within

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 from strategies.graph import Graph
 from strategies.plan import Plan
-from strategies.simulate import Step, check_budget, peak_of, simulate, timeline
+from strategies.replay import Step, peak_of, timeline
 
 # Computations that may write their output over an input that dies there (MXNet's FInplaceOption).
+from strategies.simulate import check_budget, simulate
 INPLACE_KINDS = frozenset({"act", "add", "mul", "dropout"})
 
 

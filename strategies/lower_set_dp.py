@@ -63,7 +63,8 @@ import numpy as np
 from strategies import dp_kernels as kernels
 from strategies.graph import Graph, bitset
 from strategies.plan import InfeasibleBudget, Plan
-from strategies.simulate import dp_view, equation_2_peak, simulate
+from strategies.equation2 import dp_view, equation_2_peak
+from strategies.simulate import simulate
 
 MODES = ("tc", "mc")
 
@@ -74,7 +75,7 @@ class Options:
 
     mode: str = "tc"  # tc: least overhead within the budget; mc: most overhead within it (Kusumoto et al. 2019, 4.4)
     # traced: equation (2) counts each value with what its layer saves besides it, and the loss in the last
-    # stage; paper: Kusumoto et al.'s, values alone (NOTE [what equation (2) counts] in simulate.py)
+    # stage; paper: Kusumoto et al.'s, values alone (NOTE [what equation (2) counts] in strategies/equation2.py)
     memory_model: str = "traced"
 
 
@@ -96,7 +97,7 @@ class Table:
 
 
 def prepare(graph: Graph, words: np.ndarray) -> Table:
-    """The family ``words`` on ``graph`` (a ``simulate.dp_view``: its node sizes and loss are what the DP
+    """The family ``words`` on ``graph`` (a ``equation2.dp_view``: its node sizes and loss are what the DP
     counts)."""
     n = len(graph)
     node_mem = np.array(graph.mem_bytes, dtype=np.float64)

@@ -56,7 +56,7 @@ class Plan:
     ``torch.utils.checkpoint`` runs a block (the PyTorch peers' plans): nothing the stage's layers save
     outlives its forward, its kept values serve the later stages alone, and its recomputation rebuilds
     every value its own backward reads, kept ones too (NOTE [a checkpointed stage] in
-    ``strategies/simulate.py``). ``runner`` names what runs the step where it is not this project's executor
+    ``strategies/replay.py``). ``runner`` names what runs the step where it is not this project's executor
     (``RUNNERS``: a PyTorch peer runs the model itself), and ``predicted`` is False where the plan's memory is
     decided out of the IR's sight (``torch.compile``'s own partitioner), so the simulator has nothing to predict.
     """

@@ -40,7 +40,7 @@ def backward_node(n: int, v: int) -> int:
 def training_graph(graph: Graph, loss_reads_outputs: bool = True) -> TrainingGraph:
     """``loss_reads_outputs``: Checkmate's model, where an output's backward reads it (the loss's
     gradient); without it, as the executor runs, the loss reads the outputs at once and an output stays
-    only if its own layer's backward reads it (``simulate.schedule_timeline``)."""
+    only if its own layer's backward reads it (``replay.schedule_timeline``)."""
     n = len(graph)
     deps: list[set[int]] = [set(graph.preds[v]) for v in range(n)] + [set() for _ in range(n)]
     mem = list(graph.mem_bytes) + [0] * n
@@ -110,7 +110,7 @@ def from_plan(graph: Graph, plan: Plan, loss_reads_outputs: bool = True) -> tupl
     strategy as the executor runs it, NOTE [what a recomputation makes]); every value is held
     from its computation to its last reader. A plan with ``checkpointed`` stages is refused: a schedule holds
     one copy of a value, while ``torch.utils.checkpoint`` rebuilds a block's kept output beside the original
-    (NOTE [a checkpointed stage] in ``strategies/simulate.py``)."""
+    (NOTE [a checkpointed stage] in ``strategies/replay.py``)."""
     if plan.checkpointed:
         raise ValueError("from_plan: the plan has checkpointed stages, which a schedule cannot express (a rebuilt "
                          "copy beside its original); write dataclasses.replace(plan, checkpointed=0) for the "
@@ -127,7 +127,7 @@ def from_plan(graph: Graph, plan: Plan, loss_reads_outputs: bool = True) -> tupl
         for u in needs:
             if u < n and discarded >> u & 1 and stage_of[u] not in recomputed_stages:
                 recomputed_stages.add(stage_of[u])
-                # what the rest of the backward reads (NOTE [what a recomputation makes] in simulate.py)
+                # what the rest of the backward reads (NOTE [what a recomputation makes] in strategies/replay.py)
                 stage = plan.stages[stage_of[u]] & discarded
                 wanted = sum(1 << w for w in members(stage) if any(k >= t for k in tg.users[w])
                              or graph.saves_more(w) and graph.reached[w] and backward_node(n, w) >= t)

@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from strategies import solve as solve_strategy  # the registry imports strategy modules on first use, after itself
 from strategies.graph import Graph, members
 from strategies.plan import Inapplicable, InfeasibleBudget, Plan
-from strategies.simulate import simulate, step_seconds, swap_step_time, timeline
+from strategies.replay import timeline
 
 # Budgets are judged by simulate(..., liveness=True): the executor frees and fetches value by value.
+from strategies.simulate import simulate, step_seconds, swap_step_time
 BUDGET_LIVENESS = True
 
 

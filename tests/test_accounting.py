@@ -14,11 +14,13 @@ from torch import nn
 import strategies
 from harness import nets, peers
 from strategies import schedule
-from strategies.simulate import peak_of, schedule_timeline, step_flops
+from strategies.replay import peak_of, schedule_timeline
+from strategies.simulate import step_flops
 from harness.execute import execute
 from harness.measure import MemoryTracker, measure
 from harness.run import fixed_bytes
-from harness.trace import non_leaf_attributes, trace
+from harness.probe import non_leaf_attributes
+from harness.trace import trace
 from test_any_model import WritesAfterReads
 
 CORE = [("vanilla", {}), ("liveness_only", {}), ("chen_sqrt", {}), ("chen_greedy", {}),
@@ -120,7 +122,7 @@ LOSSES = {  # name -> (loss, whether its backward reads the output)
 
 @pytest.mark.parametrize("loss", LOSSES)
 def test_the_replay_holds_what_the_loss_holds(loss):
-    # NOTE [the loss] in harness/trace.py: the outputs stay until the loss has read them, an output the
+    # NOTE [the loss] in harness/backward_profile.py: the outputs stay until the loss has read them, an output the
     # loss's backward reads stays (or comes back) until that backward is done, and each output's gradient
     # is what the loss really hands it. Kusumoto et al.'s model (each output handed a gradient its own size,
     # nothing read) missed vanilla by +14% on the sum, -19% on the squared error, -31% on mse_loss.
@@ -180,7 +182,7 @@ class ScaledProduct(nn.Module):
 
 
 def test_a_layers_backward_is_replayed_at_its_measured_peak_above_what_it_hands_on():
-    # NOTE [a layer's backward peak] in strategies/simulate.py. Replayed as the gradients it hands on, the
+    # NOTE [a layer's backward peak] in strategies/replay.py. Replayed as the gradients it hands on, the
     # product's backward was 24% short of the tracker under vanilla.
     model, x = ScaledProduct().to("meta"), torch.empty(256, 16, device="meta")
     traced = trace(model, x)
@@ -288,7 +290,7 @@ def test_a_recomputation_runs_on_what_its_layers_backward_holds_when_it_unpacks(
 @pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
 @pytest.mark.parametrize("norm", ["spectral_norm", "weight_norm", "prune"])
 def test_what_a_module_keeps_is_held_whatever_the_plan(norm):
-    # NOTE [tensors a module keeps] in harness/trace.py: the pre-hook norms keep the weight they compute on
+    # NOTE [tensors a module keeps] in harness/probe.py: the pre-hook norms keep the weight they compute on
     # the module; counted as a saved extra that recomputation drops, plans were predicted 2-3% low. The
     # weight a recomputation makes again, with autograd on, held that rerun's saved-tensor hook and so all
     # the rerun had saved (its input too) until the next step: three activations were left after a step
@@ -363,7 +365,7 @@ def test_attention_is_traced_as_the_cpu_runs_it():
     # device]; a learned mask, a relative position bias, keeps the math path), and every plan is exact and
     # measured as replayed.
     from harness.exact import compare
-    from harness.trace import _attention_on_cpu
+    from harness.tracer import attention_on_cpu
 
     def saved(attention, device, **options):
         q, k, v = (torch.randn(2, 4, 9, 8, device=device, requires_grad=True) for _ in range(3))
@@ -378,7 +380,7 @@ def test_attention_is_traced_as_the_cpu_runs_it():
     for options in ({}, {"is_causal": True}, {"dropout_p": 0.1}, {"attn_mask": torch.rand(9, 9) > 0.3},
                     {"attn_mask": torch.randn(2, 1, 9, 9)},
                     {"attn_mask": torch.randn(2, 1, 9, 9, requires_grad=True)}):  # a learned bias: the math path
-        assert saved(F.scaled_dot_product_attention, "cpu", **options) == saved(_attention_on_cpu, "meta", **options)
+        assert saved(F.scaled_dot_product_attention, "cpu", **options) == saved(attention_on_cpu, "meta", **options)
     torch.manual_seed(0)
     model, x = nn.Sequential(ScaledAttention(), ScaledAttention()).double(), torch.randn(2, 16, 32, dtype=torch.float64)
     loss_fn = lambda out: out.square().mean()  # noqa: E731
@@ -493,7 +495,7 @@ SHARED_PARAMETERS = {  # name -> (model, input)
 
 @pytest.mark.parametrize("name", SHARED_PARAMETERS)
 def test_a_parameters_gradient_is_counted_once_whoever_reads_it(name):
-    # NOTE [parameter gradients] in harness/trace.py. Counted per module call, the block applied four times
+    # NOTE [parameter gradients] in harness/probe.py. Counted per module call, the block applied four times
     # was predicted at +48% and the Siamese encoder at +21%; counted for modules only, LoRA's factors were
     # left out (-0.5% under chen_sqrt); the class token's row hands the last value a gradient of the
     # whole (-5%).

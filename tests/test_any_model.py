@@ -21,7 +21,8 @@ from harness.exact import compare, switch_on_randomness, tolerance
 from harness.execute import execute
 from harness.measure import measure
 from harness.run import fixed_bytes
-from harness.trace import TraceFailure, trace
+from harness.trace import trace
+from harness.traced import TraceFailure
 
 # torchvision models at small sizes, dropout and stochastic depth on: (name, side, builder kwargs).
 TORCHVISION = [
@@ -1074,7 +1075,7 @@ class UntracedDraws(nn.Module):
 
 
 def test_draws_on_no_traced_value_are_drawn_every_step_and_replayed():
-    # NOTE [random draws on constants] in harness/trace.py: fx kept one permutation and one noise for every
+    # NOTE [random draws on constants] in harness/tracer.py: fx kept one permutation and one noise for every
     # step (wrong under every plan, vanilla included), and a recomputation drew the mask again from the
     # model's generator (NOTE [replaying side effects]).
     torch.manual_seed(0)

@@ -272,7 +272,7 @@ def test_compiled_checkpoint_peers(strategy):
 
 
 class NoGradStatistic(nn.Module):
-    """A statistic taken under ``no_grad`` and used as a constant (NOTE [grad mode] in harness/trace.py)."""
+    """A statistic taken under ``no_grad`` and used as a constant (NOTE [grad mode] in harness/tracer.py)."""
 
     def __init__(self):
         super().__init__()
@@ -338,7 +338,7 @@ def test_state_the_step_writes_under_compile(make, shape):
 
 
 def test_draws_on_no_traced_value_under_compile():
-    """NOTE [random draws on constants] in harness/trace.py, compiled: a permutation, a noise and a mask drawn
+    """NOTE [random draws on constants] in harness/tracer.py, compiled: a permutation, a noise and a mask drawn
     on no traced value are drawn every step and replayed by a recomputing plan. A draw from the model's own
     generator compiles (dynamo runs it between two graphs, and the compiling step does not draw for the
     step) where the plan recomputes nothing."""

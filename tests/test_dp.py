@@ -174,7 +174,7 @@ def test_bad_mode_and_budget():
 def test_minimal_budget_on_a_real_net_is_tight(name):
     from harness import nets
     from harness.trace import trace
-    from strategies.simulate import dp_peak
+    from strategies.equation2 import dp_peak
 
     # GPT-2: layers that save much besides their values, a big loss; ResNet-50: a net where Kusumoto et al.'s count
     # gives the lower minimal plan, which the default then takes.

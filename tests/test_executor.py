@@ -278,7 +278,7 @@ def test_a_recomputation_makes_only_what_the_rest_of_the_backward_reads():
     # again by the time the first backward that needs a discarded value runs (the second linear's, of the
     # batch norm). Rerunning the whole stage made the head's logits and that linear's output again for
     # nothing (a language model's logits over its vocabulary), as the executor did before NOTE [what a
-    # recomputation makes] in strategies/simulate.py.
+    # recomputation makes] in strategies/replay.py.
     from harness.measure import measure
     from harness.run import fixed_bytes
     from strategies.simulate import step_flops

@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from harness import nets
-from harness.trace import TraceFailure, trace
+from harness.trace import trace
+from harness.traced import TraceFailure
 
 
 def test_in_place_and_views_join_the_value_they_write():
@@ -30,6 +31,23 @@ def test_flop_cost_model():
     assert g.cost[0] == 2 * 3 * 8 * 4
     with pytest.raises(ValueError, match="valid: paper, flops"):
         trace(model, torch.randn(3, 8), cost_model="seconds")
+
+
+def test_a_callable_cost_model_weighs_each_call_and_the_dp_plans_by_it():
+    """A user's cost model: each fx call weighed by a callable of (what it calls, its FLOPs), summed per IR node."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.Linear(16, 2))
+    seen = []
+
+    def launches_and_flops(layer, flops):
+        seen.append(type(layer).__name__)
+        return flops + 1000.0
+
+    g = trace(model, torch.randn(3, 8), cost_model=launches_and_flops).graph
+    flops = trace(model, torch.randn(3, 8), cost_model="flops").graph.cost
+    assert seen == ["Linear", "ReLU", "Linear", "Linear"]
+    assert g.cost == (flops[0] + 2000.0, flops[1] + 1000.0, flops[2] + 1000.0)  # the ReLU writes the first value
+    with pytest.raises(ValueError, match="a cost is a number of at least 0"):
+        trace(model, torch.randn(3, 8), cost_model=lambda layer, flops: -1.0)
 
 
 def test_measured_cost_model_times_each_layer_and_leaves_the_model_as_it_was():

@@ -37,7 +37,7 @@ from harness.measure import clear_grads
 from harness.results import label
 from harness.run import build_cell, cell_row
 from harness.state import generators_of, state_kept
-from harness.trace import Traced
+from harness.traced import Traced
 
 DEVICES = ("cpu", "cuda")
 SIZES = {"resnet50": (2, 64), "vgg19": (2, 64), "googlenet": (2, 64), "densenet161": (2, 64), "pspnet": (1, 64),
