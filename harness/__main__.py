@@ -5,7 +5,6 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from harness import config as _schema  # noqa: F401  (registers config_schema, which configs/config.yaml extends)
 from harness import nets
 from harness.run import run_cell
 import strategies

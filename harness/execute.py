@@ -171,6 +171,11 @@ class _Saved:
 
 @dataclass
 class _Step:
+    """One training step under a plan: the forward pass and the stages' recomputations, with the saved-tensor
+    hooks' store of what autograd saved (``pack``, ``unpack``: a token where the plan recomputes or swaps);
+    the replay of each recomputed call's randomness and state is ``_SideEffects``', the copies to host
+    memory and back ``_Swap``'s."""
+
     traced: Traced
     plan: Plan
     env: dict[str, object] = field(default_factory=dict)  # fx node name -> value, during a pass
@@ -182,29 +187,18 @@ class _Step:
     cache: dict[str, object] = field(default_factory=dict)  # fx node of a kept group -> value, for recomputation
     cache_stages: dict[int, set[int]] = field(default_factory=dict)  # kept group -> stages still to read it
     recomputed: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # group -> rank -> a tensor
-    rng_states: dict[str, object] = field(default_factory=dict)  # fx node that drew numbers -> RNG state before it
-    state_before: dict[str, tuple] = field(default_factory=dict)  # recomputed fx node -> (its buffers, as found)
     constants: dict[str, object] = field(default_factory=dict)  # inputs and non-tensor values
     extra_nodes: set[str] = field(default_factory=set)  # recomputed fx nodes that saved extras
     extras: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # recomputed extras, until unpacked
     extra_keys: set[tuple[str, int]] = field(default_factory=set)  # (fx node, rank) of every extra token
     needs_grad: dict[str, bool] = field(default_factory=dict)  # fx node -> whether its output required grad
-    host_copies: dict[int, tuple[weakref.ref, _HostCopy]] = field(default_factory=dict)  # storage id -> copy
-    swapped_groups: dict[int, list[_HostCopy]] = field(default_factory=dict)  # swapped group -> its copies
-    fetch_triggers: dict[int, object] = field(default_factory=dict)  # prefetch trigger group -> its grad_fn
 
     def __post_init__(self):
         graph = self.traced.graph
         self.discarded = set(members(self.plan.recomputed))
-        remade = self.discarded - set(members(graph.never_recomputed()))  # its RNG and state are kept for it
-        self.recomputable = {name for g in remade for name in self.traced.members[g]}
-        named_buffers = list(self.traced.module.named_buffers())  # one walk over the modules a step
-        self.buffers = [b for _, b in named_buffers]
-        self.buffer_ids = {id(b) for b in self.buffers}
-        self.written = {id(b.untyped_storage()): b for name, b in named_buffers if name in self.traced.written_buffers}
+        self.effects = _SideEffects(self.traced, self.discarded)
         self.stage_of = self.plan.stage_of(len(graph))
         self.nodes = {n.name: n for n in self.traced.module.graph.nodes}
-        self.modules = _static(self.traced.module).modules
         self.reads_left = _last_uses(self.traced.module.graph.nodes)
         self.order = self._stage_order()  # the forward's, and each recomputation's within its stage
         self.stage_nodes: dict[int, list[fx.Node]] = {}  # stage -> its discarded values' fx nodes, in that order
@@ -212,14 +206,10 @@ class _Step:
             g = self.traced.group_of.get(node.name)
             if g in self.discarded:
                 self.stage_nodes.setdefault(self.stage_of[g], []).append(node)
-        self.swapped = set(members(self.plan.swapped))
+        self.swap = _Swap(graph, self.plan)
         self.packed: weakref.WeakSet[_Saved] = weakref.WeakSet()  # what the graph still holds, to drop on failure
         self.unreached = set(graph.unreached)
         self.unreached_saves: list[_Saved] = []  # what their layers saved, until the loss
-        self.fetch_at: dict[int, list[int]] = {}  # trigger node (-1: end of forward) -> swapped groups
-        for g, trigger in self.plan.prefetch:
-            self.fetch_at.setdefault(trigger, []).append(g)
-        self.streams = _SwapStreams(sum(graph.mem_bytes[g] + _ALIGN for g in self.swapped))
         self.cached_names: dict[int, set[str]] = {}  # kept group -> its fx nodes that recomputation reads
         # A kept value is held only for the stages that will be recomputed, as the replay holds it: a stage
         # whose values no backward reads (a pixel shuffle's) would keep its input through the forward pass.
@@ -239,19 +229,14 @@ class _Step:
 
     def forward(self, inputs):
         args = iter(inputs)
-        module = self.traced.module
-        held = [*module.parameters(), *self.buffers, *inputs]
+        held = [*self.traced.module.parameters(), *self.effects.buffers, *inputs]
         self.static = {id(t.untyped_storage()) for t in held}
         # A recomputation may run on autograd's device thread, where a default device set here is not; it
         # enters it only where one was set: the context is a torch-function mode, a Python call for every
         # torch call in the recomputation (6,500 a step for chen_sqrt on ResNet-152).
         default = torch.get_default_device()
         self.default_device_mode = torch.device(default) if default.type != "cpu" else contextlib.nullcontext()
-        static = _static(module)
-        self.rng = ({t.device for t in held}, static.generators)
-        # meta's kernels draw nothing: what is learned there does not hold on a device that runs them
-        self.draws = static.draws.setdefault((tuple(m.training for m in static.modules.values()),
-                                              frozenset(str(d) for d in self.rng[0])), {})
+        self.effects.start({t.device for t in held})
         for node in self.order:
             if node.op == "output":
                 return self._load(node.args[0])
@@ -259,7 +244,7 @@ class _Step:
                 self.constants[node.name] = next(args, node.args[0] if node.args else None)
                 continue
             self.pending.clear()  # saved by an earlier node and left as it is
-            value = self._run(node, self._load(node.args), self._load(node.kwargs), recompute=False)
+            value = self.effects.run(node, self._load(node.args), self._load(node.kwargs), recompute=False)
             self._store(node, value)
             self._free_inputs(node)
             if not self.reads_left.get(node.name):  # dead code (a stray ``zeros_like``): its value goes now
@@ -315,10 +300,7 @@ class _Step:
                 self.storage_group[id(storage)] = (weakref.ref(storage), g, ranks[id(storage)])
             if node.name in self.cached_names.get(g, ()):
                 self.cache[node.name] = value
-            # The backward of a value starts at its last writer's grad_fn, not at a view's: a view taken
-            # last (U-Net's crop) runs its backward as soon as its reader's has, long before the value's.
-            if g in self.fetch_at and (first := _first_tensor(value))._base is None:
-                self.fetch_triggers[g] = first.grad_fn
+            self.swap.note_value(g, value)
         self._resolve(node.name if g is not None else None)
 
     def _free_inputs(self, node: fx.Node):
@@ -330,10 +312,7 @@ class _Step:
     def end_forward(self):
         self._resolve()
         self.env.clear()
-        for g, grad_fn in self.fetch_triggers.items():
-            if grad_fn is not None:  # else the tokens fetch when unpacked
-                grad_fn.register_prehook(lambda grad_outputs, g=g: self._fetch(self.fetch_at[g]))
-        self._fetch(self.fetch_at.get(-1, ()))
+        self.swap.start_backward()
         needed = {self.stage_of[g] for g, count in self.tokens_left.items() if count}
         if needed - self.held_for:  # the trace's saved tensors, seen on meta, are not this device's
             names = sorted(self.traced.graph.names[g] for g, count in self.tokens_left.items()
@@ -343,9 +322,8 @@ class _Step:
         for g in list(self.cache_stages):
             self.cache_stages[g] &= needed
             self._release_cache(g)
-        for name in list(self.state_before):  # a stage no backward reads is not recomputed
-            if self.stage_of[self.traced.group_of[name]] not in needed:
-                del self.state_before[name]
+        self.effects.forget(name for name in list(self.effects.state_before)  # a stage no backward reads
+                            if self.stage_of[self.traced.group_of[name]] not in needed)  # is not recomputed
 
     # -- saved tensors --------------------------------------------------------------------------------
 
@@ -389,10 +367,10 @@ class _Step:
             entry = self.storage_group.get(id(storage))
             g, storage_rank = entry[1:] if entry and entry[0]() is storage else (-1, -1)
             t = saved.tensor
-            if g in self.discarded or g in self.swapped:
+            if g in self.discarded or g in self.swap.groups:
                 saved.group, saved.geometry = g, (storage_rank, t.size(), t.stride(), t.storage_offset(), t.dtype)
-                if g in self.swapped:
-                    saved.swapped = self._copy_out(g, storage)
+                if g in self.swap.groups:
+                    saved.swapped = self.swap.copy_out(g, storage)
                     saved.swapped.tokens += 1
                     saved.tensor = None
                     continue
@@ -416,7 +394,7 @@ class _Step:
                                "traced: the step's loss uses an output the traced loss left out; trace with the "
                                "loss the step runs (trace(..., loss_fn=...))")
         if saved.swapped is not None:
-            return self._swapped_in(saved)
+            return self.swap.swapped_in(saved)
         g = saved.group
         if g not in self.recomputed:
             # marked only under a profiler: the mark costs tens of microseconds even with none running
@@ -439,41 +417,6 @@ class _Step:
             del self.recomputed[g]
         return value
 
-    # -- swapping (NOTE [swapping]) ---------------------------------------------------------------------
-
-    def _copy_out(self, g: int, storage: torch.UntypedStorage) -> _HostCopy:
-        entry = self.host_copies.get(id(storage))
-        if entry is not None and entry[0]() is storage:
-            return entry[1]
-        whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-        with on_host():
-            host = self.streams.host_buffer(whole)
-        copy = _HostCopy(host=host, device=storage.device)
-        copy.copied_out = self.streams.copy(host, whole, outwards=True)
-        self.host_copies[id(storage)] = (weakref.ref(storage), copy)
-        self.swapped_groups.setdefault(g, []).append(copy)
-        return copy
-
-    def _fetch(self, groups):
-        for g in groups:
-            for copy in self.swapped_groups.get(g, ()):
-                if copy.fetched is None and copy.tokens:
-                    copy.fetched = torch.empty_like(copy.host, device=copy.device)
-                    copy.copied_in = self.streams.copy(copy.fetched, copy.host, outwards=False,
-                                                       after=copy.copied_out)
-
-    def _swapped_in(self, saved: _Saved) -> torch.Tensor:
-        copy = saved.swapped
-        if copy.fetched is None:  # before its prefetch (or its trigger has no grad_fn): a stall
-            self._fetch([saved.group])
-        self.streams.wait(copy.copied_in)
-        _, size, stride, offset, dtype = saved.geometry
-        value = copy.fetched.view(dtype).as_strided(size, stride, offset)
-        copy.tokens -= 1
-        if copy.tokens == 0:
-            copy.fetched = None
-        return value
-
     # -- backward: recomputation ---------------------------------------------------------------------
 
     def _recompute_stage(self, stage: int):
@@ -482,9 +425,7 @@ class _Step:
         discarded = self.plan.stages[stage] & ~self.plan.kept
         made = self.traced.graph.with_inputs_within(bits(g for g in members(discarded) if self.tokens_left.get(g)),
                                                     discarded)
-        for g in members(discarded & ~made):
-            for name in self.traced.members[g]:
-                self.state_before.pop(name, None)
+        self.effects.forget(name for g in members(discarded & ~made) for name in self.traced.members[g])
         groups = members(made)
         names = {name for g in groups for name in self.traced.members[g]}
         order = [n for n in self.stage_nodes[stage] if n.name in names]
@@ -499,15 +440,13 @@ class _Step:
         # makes several (``torch.linalg.qr``'s Q and R, ``var_mean``, values and indices) saves any of them.
         storages = {g: {} for g in groups if self.value_tokens.get(g)}
         ranks = {g: {} for g in storages}
-        replays_draws = any(n.name in self.rng_states for n in order)
-        with (torch.no_grad(), _preserved_rng(self.rng) if replays_draws else _drawing_nothing(self.rng, order),
-              self.default_device_mode, recomputing()):
+        with torch.no_grad(), self.effects.replaying(order), self.default_device_mode, recomputing():
             for node in order:
                 load = lambda a: self._load(a, env)  # noqa: E731
                 if node.name in self.extra_nodes:
                     env[node.name] = self._rerun_saving(node, env)
                 else:
-                    env[node.name] = self._run(node, load(node.args), load(node.kwargs), recompute=True)
+                    env[node.name] = self.effects.run(node, load(node.args), load(node.kwargs), recompute=True)
                 g = self.traced.group_of[node.name]
                 if g in storages:
                     storages[g] |= {ranks[g][sid]: t for sid, t in _ranked(env[node.name], ranks[g]).items()}
@@ -550,7 +489,7 @@ class _Step:
         with torch.enable_grad():
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), load)
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-                value = self._run(node, args, kwargs, recompute=True)
+                value = self.effects.run(node, args, kwargs, recompute=True)
         for rank, t in enumerate(captured):
             if (node.name, rank) in self.extra_keys:
                 self.extras[(node.name, rank)] = t
@@ -578,30 +517,68 @@ class _Step:
             return self.cache[a.name]
         return fx.node.map_arg(args, value)
 
-    def _run(self, node: fx.Node, args, kwargs, recompute: bool):
+class _SideEffects:
+    """The replay of a recomputed call's randomness and state writes (NOTE [replaying side effects]): the RNG
+    state each drawing call found, the state each writing call found, and which calls draw, learned once
+    (NOTE [what a call needs, found once])."""
+
+    def __init__(self, traced: Traced, discarded: set[int]):
+        self.module = traced.module
+        remade = discarded - set(members(traced.graph.never_recomputed()))  # its RNG and state are kept for it
+        self.recomputable = {name for g in remade for name in traced.members[g]}
+        named_buffers = list(traced.module.named_buffers())  # one walk over the modules a step
+        self.buffers = [b for _, b in named_buffers]
+        self.buffer_ids = {id(b) for b in self.buffers}
+        self.written = {id(b.untyped_storage()): b for name, b in named_buffers if name in traced.written_buffers}
+        self.modules = _static(traced.module).modules
+        self.rng_states: dict[str, object] = {}  # fx node that drew numbers -> RNG state before it
+        self.state_before: dict[str, tuple] = {}  # recomputed fx node -> (its buffers, as found)
+
+    def start(self, devices: set[torch.device]) -> None:
+        """At the forward's start: the generators of the step's devices and the model's own, and what is
+        known of which calls draw under the model's training flags on these devices."""
+        static = _static(self.module)
+        self.rng = (devices, static.generators)
+        # meta's kernels draw nothing: what is learned there does not hold on a device that runs them
+        self.draws = static.draws.setdefault((tuple(m.training for m in static.modules.values()),
+                                              frozenset(str(d) for d in devices)), {})
+
+    def forget(self, names) -> None:
+        """Let go of the state the forward calls ``names`` found: nothing will recompute them."""
+        for name in names:
+            self.state_before.pop(name, None)
+
+    def replaying(self, order: list[fx.Node]):
+        """Around a recomputation of ``order``: one that replays a draw puts the program's RNG state back
+        after it; one that replays none checks it drew nothing."""
+        if any(node.name in self.rng_states for node in order):
+            return _preserved_rng(self.rng)
+        return _drawing_nothing(self.rng, order)
+
+    def run(self, node: fx.Node, args, kwargs, recompute: bool):
         """Run one fx node; a node of a recomputed value replays its randomness and state writes (NOTE
         [replaying side effects])."""
         if not recompute and node.name in self.recomputable:
             draws = self.draws.get(node.name)  # NOTE [what a call needs, found once]
             before = rng_state(self.rng) if draws is not False else None
-            written = self._written(node, args, kwargs)
+            written = self.written_by(node, args, kwargs)
             if written:  # the state as this call finds it, for the recomputation to start from
                 with torch.no_grad():
                     self.state_before[node.name] = (written, [t.clone() for t in written])
-            value = self._call(node, args, kwargs)
+            value = self.call(node, args, kwargs)
             if draws is None:
                 draws = self.draws[node.name] = not same_rng_state(before, rng_state(self.rng))
             if draws:
                 self.rng_states[node.name] = before
             return value
         if not recompute:
-            return self._call(node, args, kwargs)
+            return self.call(node, args, kwargs)
         if node.name in self.rng_states:
             set_rng_state(self.rng_states[node.name])
         # the buffers the forward call found: its inputs' are the same tensors (buffers are never IR values)
         written, found = self.state_before.pop(node.name, ((), ()))
         if not written:
-            return self._call(node, args, kwargs)
+            return self.call(node, args, kwargs)
         # The state as found: the copy's data swapped in, or copied in where a view made before the call reads
         # the buffer (NOTE [replaying side effects]).
         views = {id(a.untyped_storage()) for a in tensors_of(args, kwargs) if all(a is not t for t in written)}
@@ -615,7 +592,7 @@ class _Step:
                     swapped.append((t, t.data))
                     t.data = found[i]
                 found[i] = None
-        value = self._call(node, args, kwargs)
+        value = self.call(node, args, kwargs)
         with torch.no_grad():
             for t, old in copied:
                 t.copy_(old)
@@ -623,12 +600,73 @@ class _Step:
                 t.data = old
         return value
 
-    def _written(self, node: fx.Node, args, kwargs) -> list[torch.Tensor]:
+    def written_by(self, node: fx.Node, args, kwargs) -> list[torch.Tensor]:
         module = self.modules[node.target] if node.op == "call_module" else None
-        return written_state(self.traced.module, node, args, kwargs, self.buffer_ids, self.written, module)
+        return written_state(self.module, node, args, kwargs, self.buffer_ids, self.written, module)
 
-    def _call(self, node: fx.Node, args, kwargs):
-        return call_node(self.traced.module, self.modules, node, args, kwargs)
+    def call(self, node: fx.Node, args, kwargs):
+        return call_node(self.module, self.modules, node, args, kwargs)
+
+
+class _Swap:
+    """The copies of swapped values to host memory and back (NOTE [swapping])."""
+
+    def __init__(self, graph, plan: Plan):
+        self.groups = set(members(plan.swapped))
+        self.fetch_at: dict[int, list[int]] = {}  # trigger node (-1: end of forward) -> swapped groups
+        for g, trigger in plan.prefetch:
+            self.fetch_at.setdefault(trigger, []).append(g)
+        self.streams = _SwapStreams(sum(graph.mem_bytes[g] + _ALIGN for g in self.groups))
+        self.host_copies: dict[int, tuple[weakref.ref, _HostCopy]] = {}  # storage id -> copy
+        self.swapped_groups: dict[int, list[_HostCopy]] = {}  # swapped group -> its copies
+        self.fetch_triggers: dict[int, object] = {}  # prefetch trigger group -> its grad_fn
+
+    def note_value(self, g: int, value) -> None:
+        """A value the forward made: where it triggers a prefetch, the ``grad_fn`` that starts it. The
+        backward of a value starts at its last writer's grad_fn, not at a view's: a view taken last (U-Net's
+        crop) runs its backward as soon as its reader's has, long before the value's."""
+        if g in self.fetch_at and (first := _first_tensor(value))._base is None:
+            self.fetch_triggers[g] = first.grad_fn
+
+    def start_backward(self) -> None:
+        """At the forward's end: each trigger's pre-hook, and the copies back that start at once."""
+        for g, grad_fn in self.fetch_triggers.items():
+            if grad_fn is not None:  # else the tokens fetch when unpacked
+                grad_fn.register_prehook(lambda grad_outputs, g=g: self.fetch(self.fetch_at[g]))
+        self.fetch(self.fetch_at.get(-1, ()))
+
+    def copy_out(self, g: int, storage: torch.UntypedStorage) -> _HostCopy:
+        entry = self.host_copies.get(id(storage))
+        if entry is not None and entry[0]() is storage:
+            return entry[1]
+        whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        with on_host():
+            host = self.streams.host_buffer(whole)
+        copy = _HostCopy(host=host, device=storage.device)
+        copy.copied_out = self.streams.copy(host, whole, outwards=True)
+        self.host_copies[id(storage)] = (weakref.ref(storage), copy)
+        self.swapped_groups.setdefault(g, []).append(copy)
+        return copy
+
+    def fetch(self, groups):
+        for g in groups:
+            for copy in self.swapped_groups.get(g, ()):
+                if copy.fetched is None and copy.tokens:
+                    copy.fetched = torch.empty_like(copy.host, device=copy.device)
+                    copy.copied_in = self.streams.copy(copy.fetched, copy.host, outwards=False,
+                                                       after=copy.copied_out)
+
+    def swapped_in(self, saved: _Saved) -> torch.Tensor:
+        copy = saved.swapped
+        if copy.fetched is None:  # before its prefetch (or its trigger has no grad_fn): a stall
+            self.fetch([saved.group])
+        self.streams.wait(copy.copied_in)
+        _, size, stride, offset, dtype = saved.geometry
+        value = copy.fetched.view(dtype).as_strided(size, stride, offset)
+        copy.tokens -= 1
+        if copy.tokens == 0:
+            copy.fetched = None
+        return value
 
 
 def call_node(module: fx.GraphModule, modules: dict[str, torch.nn.Module], node: fx.Node, args, kwargs):
