@@ -12,8 +12,10 @@ with ``memory_model=paper`` they are judged by their papers' counts, as Kusumoto
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import gc
 import importlib
 import time
 from types import ModuleType
@@ -65,5 +67,19 @@ def solve(name: str, graph: Graph, budget_bytes: int | None = None, **options) -
     if budget_bytes is not None and budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
     start = time.perf_counter()
-    plan = strategy.solve(graph, budget_bytes, options=strategy.Options(**options))
+    with _no_cycle_collection():
+        plan = strategy.solve(graph, budget_bytes, options=strategy.Options(**options))
     return dataclasses.replace(plan, solve_time_s=time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _no_cycle_collection():
+    """A solve makes many small objects and no cycles; Python's cycle collector, set off by their number,
+    would walk every object the process holds (a traced model's) again and again: off while it runs."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -86,7 +86,7 @@ def bench_net(net: str, rows: pd.DataFrame, time_limit_s: float, max_stages: int
 
 
 def goals(table: pd.DataFrame) -> list[str]:
-    """The issue's goals for our side, net by net, from the table itself."""
+    """The goals for our side, net by net, from the table itself."""
     lines = []
     for net, cells in table.groupby("net", sort=False):
         by = cells.set_index("strategy")
