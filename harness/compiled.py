@@ -224,7 +224,7 @@ class PlanPass:
 def plan_step(traced: Traced, plan: Plan, example_input: torch.Tensor, loss_fn):
     """The training step of ``plan`` under ``torch.compile`` (NOTE [compiling a plan]); the returned
     function has ``compile_time_s``."""
-    import torch._dynamo
+    import torch._dynamo  # NOTE [imported where used] in harness/nets.py
 
     try:
         return compiled_step(marked_module(traced), traced.module, example_input, loss_fn, recomputed=plan.recomputed)
@@ -246,7 +246,7 @@ def compiled_step(forward, model: nn.Module, example_input: torch.Tensor, loss_f
     nodes (``forward`` from ``marked_module``). ``context()`` is entered around every call (a peer's
     checkpoints). Off meta, the first step runs here, outside any dispatch mode (NOTE [measuring
     torch.compile]); the returned function has ``compile_time_s``."""
-    import torch._dynamo
+    import torch._dynamo  # NOTE [imported where used] in harness/nets.py
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from functorch.compile import min_cut_rematerialization_partition

@@ -69,7 +69,7 @@ def _near(name: str, choices: list[str]) -> str:
 
 
 def _torchvision(name: str, kwargs: dict) -> dict:
-    import torchvision.models as tvm
+    import torchvision.models as tvm  # NOTE [imported where used] in harness/nets.py
 
     classification = tvm.list_models(module=tvm)
     segmentation = tvm.list_models(module=tvm.segmentation)

@@ -109,13 +109,22 @@ def cell_row(net: str, strategy: str, *, batch_size: int | None = None, image_si
     return row
 
 
+def traced_net(net: str, batch_size: int | None = None, image_size: int | None = None, device: str = "meta",
+               dtype: str = "float32", cost_model: str = "paper", **net_options) -> SimpleNamespace:
+    """A zoo net built and traced with its loss, as every cell traces it: ``model``, ``example_input``,
+    ``loss_fn`` and ``traced`` (sizes default to the net's paper sizes)."""
+    model, example_input, loss_fn = nets.build(net, batch_size, image_size, device, dtype, **net_options)
+    traced = trace(model, example_input, cost_model, loss_fn=loss_fn)
+    return SimpleNamespace(model=model, example_input=example_input, loss_fn=loss_fn, traced=traced)
+
+
 def build_cell(row: dict) -> SimpleNamespace:
     """What a cell runs, from its row (``net``, ``strategy``, sizes, ``device``, ``dtype``, ``budget_bytes``,
     ``options``, ``compiled``...): the model, its input and loss, the trace, the plan, what every plan holds
     (``static_bytes``) and ``step``, the training step that runs the plan (None for a general schedule)."""
-    model, example_input, loss_fn = nets.build(row["net"], row["batch_size"], row["image_size"], row["device"],
-                                               row["dtype"], **row["net_options"])
-    traced = trace(model, example_input, row["cost_model"], loss_fn=loss_fn)
+    built = traced_net(row["net"], row["batch_size"], row["image_size"], row["device"], row["dtype"],
+                       row["cost_model"], **row["net_options"])
+    model, example_input, loss_fn, traced = built.model, built.example_input, built.loss_fn, built.traced
     static_bytes = fixed_bytes(model, example_input)
     # A strategy that follows the net's own layout (a PyTorch peer) gets the zoo's blocks or sequence; they
     # stay out of the row's options, which name the result file (options given in the row win in _solve).

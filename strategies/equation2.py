@@ -43,8 +43,8 @@ def dp_peak(graph: Graph, plan: Plan) -> int:
 
 
 def dp_view(graph: Graph, memory_model: str) -> Graph:
-    """The graph whose node sizes equation (2) counts (NOTE [what equation (2) counts]): ``paper``, seed
-    004's, each node's value alone and no loss; ``traced``, each node's value with what its layer saves
+    """The graph whose node sizes equation (2) counts (NOTE [what equation (2) counts]): ``paper``,
+    Kusumoto et al.'s, each node's value alone and no loss; ``traced``, each node's value with what its layer saves
     besides node values, and the loss's working set in the last stage."""
     if memory_model == "paper":
         return graph.replace(loss_bytes=0) if graph.loss_bytes else graph

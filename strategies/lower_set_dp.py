@@ -2,8 +2,8 @@
 
 NOTE [the DP]
 A chain ``∅ = L_0 ⊊ L_1 ⊊ ... ⊊ L_k = V`` is built one lower set at a time; the state after ``L`` is
-``(L, t, m(U))``: the overhead so far and the cached memory so far. Moving to ``L' ⊋ L`` costs, by seed
-004's equation (2) (``simulate(..., liveness=False)``),
+``(L, t, m(U))``: the overhead so far and the cached memory so far. Moving to ``L' ⊋ L`` costs, by
+Kusumoto et al.'s equation (2) (``simulate(..., liveness=False)``),
     stage peak  = m(U) + 2 m(L' \\ L) + m(δ⁺(L') \\ L') + m(δ⁻(δ⁺(L') \\ L') \\ L')   (must fit the budget)
     t'          = t + t((L' \\ L) \\ ∂(L'))                                    (equation (1))
     m(U')       = m(U) + m(∂(L') \\ L)
@@ -34,8 +34,8 @@ means what it means for every other strategy, the liveness replay's peak (``simu
 gradients included). Equation (2) is only a proxy for the replay, and the replay is not monotone in it: a
 plan of fewer, larger stages, which equation (2) charges more, can peak lower once values die within a
 stage. So the minimal plan is the one of least replay among:
-- the plan at equation (2)'s minimum, on the traced count and on Kusumoto et al.'s (on ResNet-50 and PSPNet seed
-  004's gives the lower replay);
+- the plan at equation (2)'s minimum, on the traced count and on Kusumoto et al.'s (on ResNet-50 and PSPNet
+  the latter gives the lower replay);
 - where the family has at most ``SMALL`` lower sets (small graphs, U-Net, VGG-19), the plans at equation
   (2) budgets up to one stage's, found by halving each interval whose ends give different plans, down to
   whole bytes (at most ``SCAN`` passes): every distinct plan on small graphs. On U-Net (mc) a looser plan

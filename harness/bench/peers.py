@@ -24,8 +24,7 @@ import strategies
 from harness import nets, peers
 from harness.peers import PEERS
 from harness.results import load_results
-from harness.run import fixed_bytes
-from harness.trace import trace
+from harness.run import fixed_bytes, traced_net
 from strategies.ilp_optimal import Options as IlpOptions
 from strategies.ilp_optimal import within_replay
 
@@ -46,8 +45,8 @@ def measured_peaks(rows: pd.DataFrame, net: str) -> dict[tuple[str, str], float]
 
 
 def bench_net(net: str, rows: pd.DataFrame, time_limit_s: float, max_stages: int) -> list[dict]:
-    model, x, loss_fn = nets.build(net)
-    graph = trace(model, x, loss_fn=loss_fn).graph
+    built = traced_net(net)
+    model, x, graph = built.model, built.example_input, built.traced.graph
     structure = nets.structure(net, model)
     static = fixed_bytes(model, x)
     measured = measured_peaks(rows, net)

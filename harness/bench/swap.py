@@ -41,7 +41,7 @@ GIB = 2**30
 DEVICE_BUDGET = 12 * GIB
 RESNETS = {"resnet101": [3, 4, 23, 3], "resnet200": [3, 24, 36, 3], "resnet1001": [3, 131, 196, 3],
            "resnet2000": [3, 264, 396, 3]}
-SEED_001_PEAK_MB = {"resnet101": (5815, 2660), "resnet200": (10662, 3052), "resnet1001": (None, 5979),
+MENG_2017_PEAK_MB = {"resnet101": (5815, 2660), "resnet200": (10662, 3052), "resnet1001": (None, 5979),
                     "resnet2000": (None, 10650)}  # (TensorFlow r1.2, with swap), batch 32, M40
 DEVICE_MODELS = {"M40 + PCIe 3.0": (6.0, 12.0), "H100 + PCIe 5.0": (100.0, 50.0)}  # TFLOP/s, GB/s each way
 CELLS = [("vanilla", {}), ("swap", {}), ("swap", {"base": "approx_dp"})]
@@ -71,7 +71,7 @@ def resnet_rows(name: str, device: str) -> list[dict]:
     traced = trace(model, x, loss_fn=classification_loss)
     static = fixed_bytes(model, x)
     rows = []
-    for (strategy, options), paper_mb in zip(CELLS[:2], SEED_001_PEAK_MB[name]):
+    for (strategy, options), paper_mb in zip(CELLS[:2], MENG_2017_PEAK_MB[name]):
         plan = strategies.solve(strategy, traced.graph, **options)
         row = {"net": name, "blocks": str(RESNETS[name]), "strategy": label(strategy, options), "batch": 32}
         try:
