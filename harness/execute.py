@@ -126,11 +126,11 @@ def execute(traced: Traced, plan: Plan, *inputs: torch.Tensor, loss_fn=None) -> 
     step = _Step(traced, plan)
     loss_fn = loss_fn or sum_loss
     try:
-        with torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack):
+        with torch.autograd.graph.saved_tensors_hooks(step.store.pack, step.store.unpack):
             output = step.forward(inputs)
             loss = loss_fn(output)
             del output
-            step.drop_unreached()
+            step.store.drop_unreached()
             step.end_forward()
             loss.backward()
     except BaseException:
@@ -171,26 +171,17 @@ class _Saved:
 
 @dataclass
 class _Step:
-    """One training step under a plan: the forward pass and the stages' recomputations, with the saved-tensor
-    hooks' store of what autograd saved (``pack``, ``unpack``: a token where the plan recomputes or swaps);
-    the replay of each recomputed call's randomness and state is ``_SideEffects``', the copies to host
-    memory and back ``_Swap``'s."""
+    """One training step under a plan: the forward pass and the stages' recomputations. Each part holds its
+    own state: what the saved-tensor hooks keep is ``_Store``'s (a token where the plan recomputes or swaps),
+    the replay of each recomputed call's randomness and state ``_SideEffects``', the copies to host memory
+    and back ``_Swap``'s."""
 
     traced: Traced
     plan: Plan
     env: dict[str, object] = field(default_factory=dict)  # fx node name -> value, during a pass
-    storage_group: dict[int, tuple[weakref.ref, int, int]] = field(default_factory=dict)  # -> group, rank
-    storage_ranks: dict[int, dict[int, int]] = field(default_factory=dict)  # group -> storage id -> rank
-    pending: list[_Saved] = field(default_factory=list)  # packed since the last resolve
-    tokens_left: dict[int, int] = field(default_factory=dict)  # group -> tokens not yet unpacked
-    value_tokens: dict[int, int] = field(default_factory=dict)  # group -> those of them that read its value
     cache: dict[str, object] = field(default_factory=dict)  # fx node of a kept group -> value, for recomputation
     cache_stages: dict[int, set[int]] = field(default_factory=dict)  # kept group -> stages still to read it
-    recomputed: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # group -> rank -> a tensor
     constants: dict[str, object] = field(default_factory=dict)  # inputs and non-tensor values
-    extra_nodes: set[str] = field(default_factory=set)  # recomputed fx nodes that saved extras
-    extras: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # recomputed extras, until unpacked
-    extra_keys: set[tuple[str, int]] = field(default_factory=set)  # (fx node, rank) of every extra token
     needs_grad: dict[str, bool] = field(default_factory=dict)  # fx node -> whether its output required grad
 
     def __post_init__(self):
@@ -207,9 +198,8 @@ class _Step:
             if g in self.discarded:
                 self.stage_nodes.setdefault(self.stage_of[g], []).append(node)
         self.swap = _Swap(graph, self.plan)
-        self.packed: weakref.WeakSet[_Saved] = weakref.WeakSet()  # what the graph still holds, to drop on failure
-        self.unreached = set(graph.unreached)
-        self.unreached_saves: list[_Saved] = []  # what their layers saved, until the loss
+        self.store = _Store(self.traced.group_of, self.discarded, set(graph.unreached), self.swap,
+                            lambda g: self._recompute_stage(self.stage_of[g]))
         self.cached_names: dict[int, set[str]] = {}  # kept group -> its fx nodes that recomputation reads
         # A kept value is held only for the stages that will be recomputed, as the replay holds it: a stage
         # whose values no backward reads (a pixel shuffle's) would keep its input through the forward pass.
@@ -230,7 +220,7 @@ class _Step:
     def forward(self, inputs):
         args = iter(inputs)
         held = [*self.traced.module.parameters(), *self.effects.buffers, *inputs]
-        self.static = {id(t.untyped_storage()) for t in held}
+        self.store.static = {id(t.untyped_storage()) for t in held}
         # A recomputation may run on autograd's device thread, where a default device set here is not; it
         # enters it only where one was set: the context is a torch-function mode, a Python call for every
         # torch call in the recomputation (6,500 a step for chen_sqrt on ResNet-152).
@@ -243,7 +233,7 @@ class _Step:
             if node.op == "placeholder":  # an argument not given takes its default, as in fx.Interpreter
                 self.constants[node.name] = next(args, node.args[0] if node.args else None)
                 continue
-            self.pending.clear()  # saved by an earlier node and left as it is
+            self.store.pending.clear()  # saved by an earlier node and left as it is
             value = self.effects.run(node, self._load(node.args), self._load(node.kwargs), recompute=False)
             self._store(node, value)
             self._free_inputs(node)
@@ -294,14 +284,14 @@ class _Step:
             self.constants[node.name] = value  # no tensor of its own: kept for the whole step
         else:
             self.env[node.name] = value
-            ranks = self.storage_ranks.setdefault(g, {})
+            ranks = self.store.storage_ranks.setdefault(g, {})
             for t in _ranked(value, ranks).values():
                 storage = t.untyped_storage()
-                self.storage_group[id(storage)] = (weakref.ref(storage), g, ranks[id(storage)])
+                self.store.storage_group[id(storage)] = (weakref.ref(storage), g, ranks[id(storage)])
             if node.name in self.cached_names.get(g, ()):
                 self.cache[node.name] = value
             self.swap.note_value(g, value)
-        self._resolve(node.name if g is not None else None)
+        self.store.resolve(node.name if g is not None else None)
 
     def _free_inputs(self, node: fx.Node):
         for source in node.all_input_nodes:
@@ -310,12 +300,12 @@ class _Step:
                 self.env.pop(source.name, None)
 
     def end_forward(self):
-        self._resolve()
+        self.store.resolve()
         self.env.clear()
         self.swap.start_backward()
-        needed = {self.stage_of[g] for g, count in self.tokens_left.items() if count}
+        needed = {self.stage_of[g] for g, count in self.store.tokens_left.items() if count}
         if needed - self.held_for:  # the trace's saved tensors, seen on meta, are not this device's
-            names = sorted(self.traced.graph.names[g] for g, count in self.tokens_left.items()
+            names = sorted(self.traced.graph.names[g] for g, count in self.store.tokens_left.items()
                            if count and self.stage_of[g] not in self.held_for)
             raise RuntimeError(f"executor bug: a backward saved what {names} compute, which no backward saved "
                                "when traced on meta; the plan let go of what would recompute them")
@@ -325,12 +315,136 @@ class _Step:
         self.effects.forget(name for name in list(self.effects.state_before)  # a stage no backward reads
                             if self.stage_of[self.traced.group_of[name]] not in needed)  # is not recomputed
 
-    # -- saved tensors --------------------------------------------------------------------------------
+    def drop_packed(self):
+        """Let go of what the hooks' tokens and the kept values' cache hold (``execute`` says when)."""
+        self.store.drop_packed()
+        self.cache.clear()
+
+    # -- backward: recomputation ---------------------------------------------------------------------
+
+    def _recompute_stage(self, stage: int):
+        # Only what a token will read, and what that is made from (NOTE [what a recomputation makes] in
+        # strategies/replay.py); a layer not rerun lets go of the state its forward call found.
+        discarded = self.plan.stages[stage] & ~self.plan.kept
+        wanted = bits(g for g in members(discarded) if self.store.tokens_left.get(g))
+        made = self.traced.graph.with_inputs_within(wanted, discarded)
+        self.effects.forget(name for g in members(discarded & ~made) for name in self.traced.members[g])
+        groups = members(made)
+        names = {name for g in groups for name in self.traced.members[g]}
+        order = [n for n in self.stage_nodes[stage] if n.name in names]
+        for recorder in _RECORDERS:
+            recorder.append([n.name for n in order])
+        uses = _last_uses(order)
+        # The values tokens will read stay to the end of the stage; any other goes after its last use here,
+        # as the simulator frees it (a value no backward reads: a downsampling branch read by an addition).
+        finals = {self.traced.members[g][-1] for g in groups if self.store.value_tokens.get(g)}
+        env = {}
+        # Each storage of a value, by its rank among the value's storages in the forward pass: a layer that
+        # makes several (``torch.linalg.qr``'s Q and R, ``var_mean``, values and indices) saves any of them.
+        storages = {g: {} for g in groups if self.store.value_tokens.get(g)}
+        ranks = {g: {} for g in storages}
+        with torch.no_grad(), self.effects.replaying(order), self.default_device_mode, recomputing():
+            for node in order:
+                load = lambda a: self._load(a, env)  # noqa: E731
+                if node.name in self.store.extra_nodes:
+                    env[node.name] = self._rerun_saving(node, env)
+                else:
+                    env[node.name] = self.effects.run(node, load(node.args), load(node.kwargs), recompute=True)
+                g = self.traced.group_of[node.name]
+                if g in storages:
+                    storages[g] |= {ranks[g][sid]: t for sid, t in _ranked(env[node.name], ranks[g]).items()}
+                for source in node.all_input_nodes:
+                    if source.name in uses:
+                        uses[source.name] -= 1
+                        if uses[source.name] == 0 and source.name not in finals:
+                            env.pop(source.name, None)
+                if not uses.get(node.name) and node.name not in finals:
+                    env.pop(node.name)
+        for g in groups:
+            if self.store.tokens_left.get(g):  # pending tokens: of its value, or only of what its layer saved
+                self.store.recomputed[g] = storages[g] if self.store.value_tokens.get(g) else _EXTRAS_ONLY
+        for g in list(self.cache_stages):
+            self.cache_stages[g].discard(stage)
+            self._release_cache(g)
+
+    def _rerun_saving(self, node: fx.Node, env: dict):
+        """Recompute ``node`` with autograd on, to collect again what its layer saves beside node values;
+        the same call on inputs that require grad as they did saves the same tensors in the same order
+        (NOTE [replaying side effects]). The result is detached."""
+        captured = []
+
+        def keep(t):
+            # Detached (``.data``: no op), and nothing left in the rerun's graph: a saved output holding its own
+            # grad_fn would be a cycle through C++ that keeps the whole rerun alive (the one ``execute`` breaks
+            # on failure). Hooks skip autograd's version check, so ``.data``'s own counter is never read.
+            captured.append(t.data)
+
+        fresh = {}  # one alias per fx input: ``q is k`` holds again where it held in the forward pass
+
+        def load(a: fx.Node):
+            value = self._load(a, env)
+            if isinstance(value, torch.Tensor) and self.needs_grad.get(a.name) and a.op != "get_attr":
+                if a.name not in fresh:
+                    fresh[a.name] = _Fresh.apply(value.data.requires_grad_())
+                return fresh[a.name]
+            return value
+
+        with torch.enable_grad():
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), load)
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                value = self.effects.run(node, args, kwargs, recompute=True)
+        for rank, t in enumerate(captured):
+            if (node.name, rank) in self.store.extra_keys:
+                self.store.extras[(node.name, rank)] = t
+        # An autograd node the rerun made may outlive it (a pruning or weight-norm pre-hook's weight, which
+        # its module keeps), and each of its saved tensors holds ``keep`` and so this list: emptied, it holds
+        # no recomputed value past the rerun.
+        captured.clear()
+        return fx.node.map_aggregate(value, lambda v: v.data if isinstance(v, torch.Tensor) else v)
+
+    def _release_cache(self, g: int):
+        if not self.cache_stages[g]:
+            del self.cache_stages[g]
+            for name in self.cached_names[g]:
+                self.cache.pop(name, None)
+
+    def _load(self, args, local: dict | None = None):
+        def value(a: fx.Node):
+            if local is not None and a.name in local:
+                return local[a.name]
+            if a.name in self.constants:
+                return self.constants[a.name]
+            if a.name in self.env:
+                return self.env[a.name]
+            assert a.name in self.cache, f"executor bug: {a.name} is neither kept nor recomputed"
+            return self.cache[a.name]
+        return fx.node.map_arg(args, value)
+
+class _Store:
+    """What the saved-tensor hooks keep (``pack``, ``unpack``): the tensor itself, or a token where the plan
+    recomputes the value (or what its layer saved besides, NOTE [executing a plan]) or swaps it; the counts of
+    tokens still to be unpacked, and the recomputed tensors they will read."""
+
+    def __init__(self, group_of: dict[str, int], discarded: set[int], unreached: set[int], swap: "_Swap",
+                 recompute):
+        self.group_of, self.discarded, self.unreached, self.swap = group_of, discarded, unreached, swap
+        self.recompute = recompute  # group -> None: recompute the stage of that group
+        self.static: set[int] = set()  # storages of parameters, buffers and inputs (set as the forward starts)
+        self.storage_group: dict[int, tuple[weakref.ref, int, int]] = {}  # storage id -> (it, group, rank)
+        self.storage_ranks: dict[int, dict[int, int]] = {}  # group -> storage id -> rank
+        self.pending: list[_Saved] = []  # packed since the last resolve
+        self.packed: weakref.WeakSet[_Saved] = weakref.WeakSet()  # what the graph still holds, to drop on failure
+        self.unreached_saves: list[_Saved] = []  # what the layers no gradient reaches saved, until the loss
+        self.tokens_left: dict[int, int] = {}  # group -> tokens not yet unpacked
+        self.value_tokens: dict[int, int] = {}  # group -> those of them that read its value
+        self.recomputed: dict[int, dict[int, torch.Tensor]] = {}  # group -> rank -> a tensor
+        self.extra_nodes: set[str] = set()  # recomputed fx nodes that saved extras
+        self.extras: dict[tuple[str, int], torch.Tensor] = {}  # recomputed extras, until unpacked
+        self.extra_keys: set[tuple[str, int]] = set()  # (fx node, rank) of every extra token
 
     def drop_packed(self):
         for saved in list(self.packed):
             saved.tensor = saved.swapped = None
-        self.cache.clear()
 
     def drop_unreached(self):
         """Let go of what the layers no gradient reaches saved, at the loss, where plain PyTorch lets go of
@@ -355,11 +469,11 @@ class _Step:
         self.packed.add(saved)
         return saved
 
-    def _resolve(self, node_name: str | None = None):
+    def resolve(self, node_name: str | None = None):
         """Turn what ``node_name`` saved into tokens where the plan recomputes it: a recomputed node's
         value, or anything else a recomputed node's layer saved (pooling indices), which the
         recomputation saves again (NOTE [executing a plan])."""
-        group = self.traced.group_of.get(node_name) if node_name else None
+        group = self.group_of.get(node_name) if node_name else None
         if group in self.unreached:
             self.unreached_saves += self.pending
         for rank, saved in enumerate(self.pending):
@@ -400,7 +514,7 @@ class _Step:
             # marked only under a profiler: the mark costs tens of microseconds even with none running
             with torch.profiler.record_function(RECOMPUTE_EVENT) if torch.autograd._profiler_enabled() \
                     else contextlib.nullcontext():
-                self._recompute_stage(self.stage_of[g])
+                self.recompute(g)
         if saved.extra is not None:
             value = self.extras.pop(saved.extra)
         else:
@@ -417,105 +531,6 @@ class _Step:
             del self.recomputed[g]
         return value
 
-    # -- backward: recomputation ---------------------------------------------------------------------
-
-    def _recompute_stage(self, stage: int):
-        # Only what a token will read, and what that is made from (NOTE [what a recomputation makes] in
-        # strategies/replay.py); a layer not rerun lets go of the state its forward call found.
-        discarded = self.plan.stages[stage] & ~self.plan.kept
-        made = self.traced.graph.with_inputs_within(bits(g for g in members(discarded) if self.tokens_left.get(g)),
-                                                    discarded)
-        self.effects.forget(name for g in members(discarded & ~made) for name in self.traced.members[g])
-        groups = members(made)
-        names = {name for g in groups for name in self.traced.members[g]}
-        order = [n for n in self.stage_nodes[stage] if n.name in names]
-        for recorder in _RECORDERS:
-            recorder.append([n.name for n in order])
-        uses = _last_uses(order)
-        # The values tokens will read stay to the end of the stage; any other goes after its last use here,
-        # as the simulator frees it (a value no backward reads: a downsampling branch read by an addition).
-        finals = {self.traced.members[g][-1] for g in groups if self.value_tokens.get(g)}
-        env = {}
-        # Each storage of a value, by its rank among the value's storages in the forward pass: a layer that
-        # makes several (``torch.linalg.qr``'s Q and R, ``var_mean``, values and indices) saves any of them.
-        storages = {g: {} for g in groups if self.value_tokens.get(g)}
-        ranks = {g: {} for g in storages}
-        with torch.no_grad(), self.effects.replaying(order), self.default_device_mode, recomputing():
-            for node in order:
-                load = lambda a: self._load(a, env)  # noqa: E731
-                if node.name in self.extra_nodes:
-                    env[node.name] = self._rerun_saving(node, env)
-                else:
-                    env[node.name] = self.effects.run(node, load(node.args), load(node.kwargs), recompute=True)
-                g = self.traced.group_of[node.name]
-                if g in storages:
-                    storages[g] |= {ranks[g][sid]: t for sid, t in _ranked(env[node.name], ranks[g]).items()}
-                for source in node.all_input_nodes:
-                    if source.name in uses:
-                        uses[source.name] -= 1
-                        if uses[source.name] == 0 and source.name not in finals:
-                            env.pop(source.name, None)
-                if not uses.get(node.name) and node.name not in finals:
-                    env.pop(node.name)
-        for g in groups:
-            if self.tokens_left.get(g):  # pending tokens: of its value, or only of what its layer saved
-                self.recomputed[g] = storages[g] if self.value_tokens.get(g) else _EXTRAS_ONLY
-        for g in list(self.cache_stages):
-            self.cache_stages[g].discard(stage)
-            self._release_cache(g)
-
-    def _rerun_saving(self, node: fx.Node, env: dict):
-        """Recompute ``node`` with autograd on, to collect again what its layer saves beside node values;
-        the same call on inputs that require grad as they did saves the same tensors in the same order
-        (NOTE [replaying side effects]). The result is detached."""
-        captured = []
-
-        def keep(t):
-            # Detached (``.data``: no op), and nothing left in the rerun's graph: a saved output holding its own
-            # grad_fn would be a cycle through C++ that keeps the whole rerun alive (the one ``execute`` breaks
-            # on failure). Hooks skip autograd's version check, so ``.data``'s own counter is never read.
-            captured.append(t.data)
-
-        fresh = {}  # one alias per fx input: ``q is k`` holds again where it held in the forward pass
-
-        def load(a: fx.Node):
-            value = self._load(a, env)
-            if isinstance(value, torch.Tensor) and self.needs_grad.get(a.name) and a.op != "get_attr":
-                if a.name not in fresh:
-                    fresh[a.name] = _Fresh.apply(value.data.requires_grad_())
-                return fresh[a.name]
-            return value
-
-        with torch.enable_grad():
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), load)
-            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-                value = self.effects.run(node, args, kwargs, recompute=True)
-        for rank, t in enumerate(captured):
-            if (node.name, rank) in self.extra_keys:
-                self.extras[(node.name, rank)] = t
-        # An autograd node the rerun made may outlive it (a pruning or weight-norm pre-hook's weight, which
-        # its module keeps), and each of its saved tensors holds ``keep`` and so this list: emptied, it holds
-        # no recomputed value past the rerun.
-        captured.clear()
-        return fx.node.map_aggregate(value, lambda v: v.data if isinstance(v, torch.Tensor) else v)
-
-    def _release_cache(self, g: int):
-        if not self.cache_stages[g]:
-            del self.cache_stages[g]
-            for name in self.cached_names[g]:
-                self.cache.pop(name, None)
-
-    def _load(self, args, local: dict | None = None):
-        def value(a: fx.Node):
-            if local is not None and a.name in local:
-                return local[a.name]
-            if a.name in self.constants:
-                return self.constants[a.name]
-            if a.name in self.env:
-                return self.env[a.name]
-            assert a.name in self.cache, f"executor bug: {a.name} is neither kept nor recomputed"
-            return self.cache[a.name]
-        return fx.node.map_arg(args, value)
 
 class _SideEffects:
     """The replay of a recomputed call's randomness and state writes (NOTE [replaying side effects]): the RNG
