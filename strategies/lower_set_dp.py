@@ -104,7 +104,7 @@ class Table:
 
 
 def prepare(graph: Graph, words: np.ndarray) -> Table:
-    """The family ``words`` on ``graph`` (a ``equation2.dp_view``: its node sizes and loss are what the DP
+    """The family ``words`` on ``graph`` (an ``equation2.dp_view``: its node sizes and loss are what the DP
     counts)."""
     n = len(graph)
     node_mem = np.array(graph.mem_bytes, dtype=np.float64)
