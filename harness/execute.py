@@ -284,10 +284,7 @@ class _Step:
             self.constants[node.name] = value  # no tensor of its own: kept for the whole step
         else:
             self.env[node.name] = value
-            ranks = self.store.storage_ranks.setdefault(g, {})
-            for t in _ranked(value, ranks).values():
-                storage = t.untyped_storage()
-                self.store.storage_group[id(storage)] = (weakref.ref(storage), g, ranks[id(storage)])
+            self.store.note_value(g, value)
             if node.name in self.cached_names.get(g, ()):
                 self.cache[node.name] = value
             self.swap.note_value(g, value)
@@ -462,6 +459,14 @@ class _Store:
                     self.extra_nodes.discard(saved.extra[0])
             saved.tensor, saved.swapped, saved.group = None, None, -1
         self.unreached_saves.clear()
+
+    def note_value(self, g: int, value) -> None:
+        """A value the forward made for group ``g``: each of its storages not seen yet, with its rank among the
+        group's, so that what a layer saves of it is known as ``g``'s."""
+        ranks = self.storage_ranks.setdefault(g, {})
+        for t in _ranked(value, ranks).values():
+            storage = t.untyped_storage()
+            self.storage_group[id(storage)] = (weakref.ref(storage), g, ranks[id(storage)])
 
     def pack(self, tensor: torch.Tensor) -> _Saved:
         saved = _Saved(tensor)

@@ -158,11 +158,9 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
     discarded = graph.all_nodes & ~kept
     stage_of = plan.stage_of(n)
     rebuilt, in_checkpoint = _rebuilt(graph, plan)
-
-    def copy(u: int, v: int) -> int:
-        return u + n if rebuilt >> u & 1 and stage_of[u] == stage_of[v] else u
-
-    readers = [[] for _ in range(2 * n)]  # the backwards that read each value (u + n: u's rebuilt copy)
+    facts = _Facts(plan, n, stage_of, forward_order(graph, stage_of), discarded, rebuilt, in_checkpoint,
+                   readers=[[] for _ in range(2 * n)], recompute_stages=[])  # both filled here, below
+    copy, readers, recompute_stages = facts.copy, facts.readers, facts.recompute_stages
     for v in range(n):
         for u in graph.backward_reads[v] if graph.reached[v] else ():
             readers[copy(u, v)].append(v)
@@ -171,9 +169,8 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
     needed = called_for(graph, plan) | {stage_of[u] for u in members(rebuilt)
                                         if readers[u] or readers[u + n] or graph.saves_more(u)}
     # The recomputed stages that read each kept value (not those that rebuild it).
-    recompute_stages = [{stage_of[w] for w in graph.succs[u] if (discarded | rebuilt) >> w & 1 and copy(u, w) == u}
-                        & needed if kept >> u & 1 else set() for u in range(n)] + [set() for _ in range(n)]
-    order = forward_order(graph, stage_of)
+    recompute_stages += [{stage_of[w] for w in graph.succs[u] if (discarded | rebuilt) >> w & 1 and copy(u, w) == u}
+                         & needed if kept >> u & 1 else set() for u in range(n)] + [set() for _ in range(n)]
     for u in members(plan.swapped):
         assert not recompute_stages[u], f"simulator: swapped node {u} is read by a recomputation; it must stay"
     # A recomputed layer that may write state keeps a copy of the state as its forward found it, to its
@@ -191,7 +188,6 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
     for w in graph.unreached:
         if not in_checkpoint >> w & 1:
             to_loss.update(u for u in graph.backward_reads[w] if (kept & ~plan.swapped) >> u & 1)
-    facts = _Facts(plan, n, stage_of, order, discarded, rebuilt, in_checkpoint, readers, recompute_stages)
     steps = _forward(graph, facts, found, sorted(v for v in found if stage_of[v] not in needed), to_loss)
     steps += _backward(graph, facts, _frame_holds(graph, plan, stage_of))
     return steps
