@@ -122,7 +122,6 @@ def execute(traced: Traced, plan: Plan, *inputs: torch.Tensor, loss_fn=None) -> 
     if plan.schedule is not None:
         raise ValueError(f"execute runs stage plans; {plan.strategy!r} carries a general (R, S) schedule, which "
                          "may recompute a node several times out of the autograd engine's order")
-    plan.validate(traced.graph)
     step = _Step(traced, plan)
     loss_fn = loss_fn or sum_loss
     try:
@@ -180,46 +179,27 @@ class _Step:
     plan: Plan
     env: dict[str, object] = field(default_factory=dict)  # fx node name -> value, during a pass
     cache: dict[str, object] = field(default_factory=dict)  # fx node of a kept group -> value, for recomputation
-    cache_stages: dict[int, set[int]] = field(default_factory=dict)  # kept group -> stages still to read it
     constants: dict[str, object] = field(default_factory=dict)  # inputs and non-tensor values
     needs_grad: dict[str, bool] = field(default_factory=dict)  # fx node -> whether its output required grad
 
     def __post_init__(self):
-        graph = self.traced.graph
-        self.discarded = set(members(self.plan.recomputed))
-        self.effects = _SideEffects(self.traced, self.discarded)
-        self.stage_of = self.plan.stage_of(len(graph))
-        self.nodes = {n.name: n for n in self.traced.module.graph.nodes}
-        self.reads_left = _last_uses(self.traced.module.graph.nodes)
-        self.order = self._stage_order()  # the forward's, and each recomputation's within its stage
-        self.stage_nodes: dict[int, list[fx.Node]] = {}  # stage -> its discarded values' fx nodes, in that order
-        for node in self.order:
-            g = self.traced.group_of.get(node.name)
-            if g in self.discarded:
-                self.stage_nodes.setdefault(self.stage_of[g], []).append(node)
-        self.swap = _Swap(graph, self.plan)
-        self.store = _Store(self.traced.group_of, self.discarded, set(graph.unreached), self.swap,
+        self.layout = layout = _layout(self.traced, self.plan)
+        self.discarded, self.stage_of, self.order = layout.discarded, layout.stage_of, layout.order
+        self.stage_nodes, self.held_for, self.cached_names = layout.stage_nodes, layout.held_for, layout.cached_names
+        self.reads_left = dict(layout.reads_left)
+        # kept group -> the stages still to read it
+        self.cache_stages = {g: set(stages) for g, stages in layout.cache_stages.items()}
+        self.effects = _SideEffects(self.traced, layout.recomputable)
+        self.swap = _Swap(self.traced.graph, self.plan)
+        self.store = _Store(self.traced.group_of, self.discarded, layout.unreached, self.swap,
                             lambda g: self._recompute_stage(self.stage_of[g]))
-        self.cached_names: dict[int, set[str]] = {}  # kept group -> its fx nodes that recomputation reads
-        # A kept value is held only for the stages that will be recomputed, as the replay holds it: a stage
-        # whose values no backward reads (a pixel shuffle's) would keep its input through the forward pass.
-        # An output's stage is held to the end of the forward pass, where the loss's saves tell (the loss
-        # may not be the one traced; the replay's ``to_loss``).
-        self.held_for = called_for(graph, self.plan) | {self.stage_of[v] for v in graph.outputs}
-        for name in (n for g in self.discarded for n in self.traced.members[g]):
-            if self.stage_of[self.traced.group_of[name]] not in self.held_for:
-                continue
-            for source in self.nodes[name].all_input_nodes:
-                g = self.traced.group_of.get(source.name)
-                if g is not None and g not in self.discarded:
-                    self.cached_names.setdefault(g, set()).add(source.name)
-                    self.cache_stages.setdefault(g, set()).add(self.stage_of[self.traced.group_of[name]])
 
     # -- forward -------------------------------------------------------------------------------------
 
     def forward(self, inputs):
         args = iter(inputs)
-        held = [*self.traced.module.parameters(), *self.effects.buffers, *inputs]
+        parameters = (p for m in (self.traced.module, *self.effects.modules.values()) for p in m._parameters.values())
+        held = [*(p for p in parameters if p is not None), *self.effects.buffers, *inputs]
         self.store.static = {id(t.untyped_storage()) for t in held}
         # A recomputation may run on autograd's device thread, where a default device set here is not; it
         # enters it only where one was set: the context is a torch-function mode, a Python call for every
@@ -240,42 +220,6 @@ class _Step:
             if not self.reads_left.get(node.name):  # dead code (a stray ``zeros_like``): its value goes now
                 self.env.pop(node.name, None)
             del value
-
-    def _stage_order(self) -> list[fx.Node]:
-        """The fx nodes stage by stage (V_1 first), in program order within a stage: a topological order in
-        which autograd's backward, which runs in reverse creation order, visits the stages one at a time
-        from the last, as the canonical strategy does. A node never comes before its inputs; nodes outside
-        the IR go with their latest input; a node that draws random numbers never before an earlier one
-        that draws (it goes with the later stage), so every draw sees plain PyTorch's generator state, and
-        one that can reach a buffer never before an earlier one that can reach it: a BatchNorm called on
-        two views (a Siamese encoder's) updates its running statistics in the program's order.
-        A layer call that an in-place write of its IR node follows runs just before that write
-        (``_delayed``), so that an IR node's autograd nodes are made together, as the replay runs them."""
-        nodes = list(self.traced.module.graph.nodes)
-        delayed = _delayed(nodes, self.traced)
-        read_before: dict[str, list[str]] = {}  # a write to a buffer -> the nodes that read it before
-        for reader, writer in self.traced.state_order:
-            read_before.setdefault(writer, []).append(reader)
-        by_name = {node.name: node for node in nodes}
-        key, position = {}, {}
-        last_use: dict[str, tuple[int, int]] = {}  # Traced.shared_state's names -> the last key to use it
-        for index, node in enumerate(nodes):
-            position[node] = index
-            g = self.traced.group_of.get(node.name)
-            inputs = [key[n] for n in node.all_input_nodes]
-            if node.op == "output":
-                own = (len(self.plan.stages), index)
-            elif g is not None:
-                own = (self.stage_of[g], delayed.get(node.name, index))
-            else:
-                own = (max((stage for stage, _ in inputs), default=-1), index)
-            # A view can read a shape computed in a later stage (U-Net's crops): then it waits for it; a
-            # write to a buffer waits for the nodes that read it before (NOTE [state the forward writes]).
-            key[node] = max([own] + inputs + [key[by_name[r]] for r in read_before.get(node.name, ())])
-            shared = self.traced.shared_state.get(node.name, ())  # in program order: the same numbers and
-            key[node] = max([key[node]] + [last_use[name] for name in shared if name in last_use])  # statistics
-            last_use.update(dict.fromkeys(shared, key[node]))
-        return sorted(nodes, key=lambda node: (key[node], position[node]))
 
     def _store(self, node: fx.Node, value):
         g = self.traced.group_of.get(node.name)
@@ -322,23 +266,21 @@ class _Step:
     def _recompute_stage(self, stage: int):
         # Only what a token will read, and what that is made from (NOTE [what a recomputation makes] in
         # strategies/replay.py); a layer not rerun lets go of the state its forward call found.
-        discarded = self.plan.stages[stage] & ~self.plan.kept
-        wanted = bits(g for g in members(discarded) if self.store.tokens_left.get(g))
-        made = self.traced.graph.with_inputs_within(wanted, discarded)
-        self.effects.forget(name for g in members(discarded & ~made) for name in self.traced.members[g])
-        groups = members(made)
-        names = {name for g in groups for name in self.traced.members[g]}
-        order = [n for n in self.stage_nodes[stage] if n.name in names]
+        discarded = members(self.plan.stages[stage] & ~self.plan.kept)
+        wanted = bits(g for g in discarded if self.store.tokens_left.get(g))
+        read = bits(g for g in discarded if self.store.value_tokens.get(g))
+        key = (stage, wanted, read)
+        if key not in self.layout.recomputations:
+            self.layout.recomputations[key] = _recomputation(self.traced, self.plan, self.stage_nodes, *key)
+        run = self.layout.recomputations[key]
+        self.effects.forget(run.not_rerun)
+        order, groups, finals, uses = run.order, run.groups, run.finals, dict(run.uses)
         for recorder in _RECORDERS:
             recorder.append([n.name for n in order])
-        uses = _last_uses(order)
-        # The values tokens will read stay to the end of the stage; any other goes after its last use here,
-        # as the simulator frees it (a value no backward reads: a downsampling branch read by an addition).
-        finals = {self.traced.members[g][-1] for g in groups if self.store.value_tokens.get(g)}
         env = {}
         # Each storage of a value, by its rank among the value's storages in the forward pass: a layer that
         # makes several (``torch.linalg.qr``'s Q and R, ``var_mean``, values and indices) saves any of them.
-        storages = {g: {} for g in groups if self.store.value_tokens.get(g)}
+        storages = {g: {} for g in groups if read >> g & 1}
         ranks = {g: {} for g in storages}
         with torch.no_grad(), self.effects.replaying(order), self.default_device_mode, recomputing():
             for node in order:
@@ -358,8 +300,8 @@ class _Step:
                 if not uses.get(node.name) and node.name not in finals:
                     env.pop(node.name)
         for g in groups:
-            if self.store.tokens_left.get(g):  # pending tokens: of its value, or only of what its layer saved
-                self.store.recomputed[g] = storages[g] if self.store.value_tokens.get(g) else _EXTRAS_ONLY
+            if wanted >> g & 1:  # pending tokens: of its value, or only of what its layer saved
+                self.store.recomputed[g] = storages[g] if read >> g & 1 else _EXTRAS_ONLY
         for g in list(self.cache_stages):
             self.cache_stages[g].discard(stage)
             self._release_cache(g)
@@ -542,15 +484,18 @@ class _SideEffects:
     state each drawing call found, the state each writing call found, and which calls draw, learned once
     (NOTE [what a call needs, found once])."""
 
-    def __init__(self, traced: Traced, discarded: set[int]):
+    def __init__(self, traced: Traced, recomputable: set[str]):
         self.module = traced.module
-        remade = discarded - set(members(traced.graph.never_recomputed()))  # its RNG and state are kept for it
-        self.recomputable = {name for g in remade for name in traced.members[g]}
-        named_buffers = list(traced.module.named_buffers())  # one walk over the modules a step
+        self.recomputable = recomputable  # the fx nodes whose RNG and state are kept for a recomputation
+        static = _static(traced.module)
+        # the buffers as the step finds them (a model may have been moved or given new ones since the last)
+        named_buffers = [(f"{prefix}.{name}" if prefix else name, b)
+                         for prefix, m in (("", traced.module), *static.modules.items())
+                         for name, b in m._buffers.items() if b is not None]
         self.buffers = [b for _, b in named_buffers]
         self.buffer_ids = {id(b) for b in self.buffers}
         self.written = {id(b.untyped_storage()): b for name, b in named_buffers if name in traced.written_buffers}
-        self.modules = _static(traced.module).modules
+        self.modules = static.modules
         self.rng_states: dict[str, object] = {}  # fx node that drew numbers -> RNG state before it
         self.state_before: dict[str, tuple] = {}  # recomputed fx node -> (its buffers, as found)
 
@@ -768,6 +713,104 @@ def _pinned_pool(size: int) -> torch.Tensor:
     if pool is None or pool.numel() < size:
         _PINNED["pool"] = pool = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     return pool
+
+
+def _layout(traced: Traced, plan: Plan) -> SimpleNamespace:
+    """What a step under ``plan`` needs that depends only on the trace and the plan (NOTE [what a call needs,
+    found once]): the order of the forward's calls, each stage's recomputed calls, the kept values a
+    recomputation reads and for which stages, and each recomputation's schedule once it has run
+    (``recomputations``). Made at the plan's first step and kept with the trace."""
+    key = (plan.stages, plan.kept, plan.swapped, plan.prefetch, plan.checkpointed)
+    if key in traced.layouts:
+        return traced.layouts[key]
+    plan.validate(traced.graph)
+    graph = traced.graph
+    discarded = set(members(plan.recomputed))
+    stage_of = plan.stage_of(len(graph))
+    order = _stage_order(traced, plan, stage_of)  # the forward's, and each recomputation's within its stage
+    stage_nodes: dict[int, list[fx.Node]] = {}  # stage -> its discarded values' fx nodes, in that order
+    for node in order:
+        g = traced.group_of.get(node.name)
+        if g in discarded:
+            stage_nodes.setdefault(stage_of[g], []).append(node)
+    # A kept value is held only for the stages that will be recomputed, as the replay holds it: a stage
+    # whose values no backward reads (a pixel shuffle's) would keep its input through the forward pass.
+    # An output's stage is held to the end of the forward pass, where the loss's saves tell (the loss
+    # may not be the one traced; the replay's ``to_loss``).
+    held_for = called_for(graph, plan) | {stage_of[v] for v in graph.outputs}
+    cached_names: dict[int, set[str]] = {}  # kept group -> its fx nodes that recomputation reads
+    cache_stages: dict[int, set[int]] = {}  # kept group -> stages that read it
+    nodes = {n.name: n for n in traced.module.graph.nodes}
+    for name in (n for g in discarded for n in traced.members[g]):
+        if stage_of[traced.group_of[name]] not in held_for:
+            continue
+        for source in nodes[name].all_input_nodes:
+            g = traced.group_of.get(source.name)
+            if g is not None and g not in discarded:
+                cached_names.setdefault(g, set()).add(source.name)
+                cache_stages.setdefault(g, set()).add(stage_of[traced.group_of[name]])
+    remade = discarded - set(members(graph.never_recomputed()))  # its RNG and state are kept for it
+    layout = SimpleNamespace(
+        discarded=discarded, stage_of=stage_of, order=order, stage_nodes=stage_nodes, held_for=held_for,
+        cached_names=cached_names, cache_stages=cache_stages, reads_left=_last_uses(nodes.values()),
+        unreached=set(graph.unreached), recomputable={name for g in remade for name in traced.members[g]},
+        recomputations={})
+    traced.layouts[key] = layout
+    return layout
+
+
+def _recomputation(traced: Traced, plan: Plan, stage_nodes: dict[int, list[fx.Node]], stage: int, wanted: int,
+                   read: int) -> SimpleNamespace:
+    """How stage ``stage`` is recomputed when the tokens still to be unpacked are of the groups ``wanted``, and
+    of their values for the groups ``read`` (bitsets): the calls it reruns in order, how many of them read
+    each value, the values kept to its end (those tokens read), and the calls not rerun."""
+    discarded = plan.stages[stage] & ~plan.kept
+    made = traced.graph.with_inputs_within(wanted, discarded)
+    groups = members(made)
+    names = {name for g in groups for name in traced.members[g]}
+    order = [n for n in stage_nodes[stage] if n.name in names]
+    # The values tokens will read stay to the end of the stage; any other goes after its last use there,
+    # as the simulator frees it (a value no backward reads: a downsampling branch read by an addition).
+    return SimpleNamespace(order=order, groups=groups, uses=_last_uses(order),
+                           finals={traced.members[g][-1] for g in members(read)},
+                           not_rerun=tuple(name for g in members(discarded & ~made) for name in traced.members[g]))
+
+
+def _stage_order(traced: Traced, plan: Plan, stage_of: list[int]) -> list[fx.Node]:
+    """The fx nodes stage by stage (V_1 first), in program order within a stage: a topological order in
+    which autograd's backward, which runs in reverse creation order, visits the stages one at a time
+    from the last, as the canonical strategy does. A node never comes before its inputs; nodes outside
+    the IR go with their latest input; a node that draws random numbers never before an earlier one
+    that draws (it goes with the later stage), so every draw sees plain PyTorch's generator state, and
+    one that can reach a buffer never before an earlier one that can reach it: a BatchNorm called on
+    two views (a Siamese encoder's) updates its running statistics in the program's order.
+    A layer call that an in-place write of its IR node follows runs just before that write
+    (``_delayed``), so that an IR node's autograd nodes are made together, as the replay runs them."""
+    nodes = list(traced.module.graph.nodes)
+    delayed = _delayed(nodes, traced)
+    read_before: dict[str, list[str]] = {}  # a write to a buffer -> the nodes that read it before
+    for reader, writer in traced.state_order:
+        read_before.setdefault(writer, []).append(reader)
+    by_name = {node.name: node for node in nodes}
+    key, position = {}, {}
+    last_use: dict[str, tuple[int, int]] = {}  # Traced.shared_state's names -> the last key to use it
+    for index, node in enumerate(nodes):
+        position[node] = index
+        g = traced.group_of.get(node.name)
+        inputs = [key[n] for n in node.all_input_nodes]
+        if node.op == "output":
+            own = (len(plan.stages), index)
+        elif g is not None:
+            own = (stage_of[g], delayed.get(node.name, index))
+        else:
+            own = (max((stage for stage, _ in inputs), default=-1), index)
+        # A view can read a shape computed in a later stage (U-Net's crops): then it waits for it; a
+        # write to a buffer waits for the nodes that read it before (NOTE [state the forward writes]).
+        key[node] = max([own] + inputs + [key[by_name[r]] for r in read_before.get(node.name, ())])
+        shared = traced.shared_state.get(node.name, ())  # in program order: the same numbers and
+        key[node] = max([key[node]] + [last_use[name] for name in shared if name in last_use])  # statistics
+        last_use.update(dict.fromkeys(shared, key[node]))
+    return sorted(nodes, key=lambda node: (key[node], position[node]))
 
 
 def _delayed(nodes: list[fx.Node], traced: Traced) -> dict[str, int]:

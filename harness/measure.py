@@ -13,7 +13,9 @@ NOTE [measurement protocol]
   ``warmup_steps`` (the tracker is off while timing).
 - ``cuda``: ``gc``, ``empty_cache`` and ``reset_peak_memory_stats``, one step, then
   ``max_memory_allocated`` and ``max_memory_reserved`` and NVML's used memory of the device (pynvml);
-  warm-up steps, then CUDA-event timing of each step, median and IQR. The tracker's peak is taken on a
+  warm-up steps, then CUDA-event timing of each step from an idle GPU to its end, median and IQR, with
+  Python's cycle collector run between the timed steps and never inside one (``_timed``), and the GPU's
+  kernel time of one more step, profiled (``gpu_kernel_ms``). The tracker's peak is taken on a
   separate step so that its hooks do not slow the timed ones, and the row carries it beside the
   allocator's figures so that their agreement shows. Only ``torch.cuda.OutOfMemoryError`` is caught
   (the caller turns it into an ``oom`` row). Run one measurement per process, one at a time per GPU.
@@ -231,13 +233,21 @@ def clear_grads(model):
 
 
 def _timed(step, model, warmup_steps, timed_steps, clock) -> list[float]:
+    """The times of ``timed_steps`` steps after ``warmup_steps`` (TIMING_PROTOCOL): Python's cycle collector
+    runs between the timed steps, never inside one, where a full collection of a large program's objects
+    would add milliseconds to whichever step it fell in."""
     for _ in range(warmup_steps):
         clear_grads(model)
         step()
     times = []
     for _ in range(timed_steps):
         clear_grads(model)
-        times.append(clock(step))
+        gc.collect()
+        gc.disable()
+        try:
+            times.append(clock(step))
+        finally:
+            gc.enable()
     clear_grads(model)
     return times
 

@@ -100,7 +100,11 @@ def load_results(path: str | os.PathLike) -> pd.DataFrame:
 HOST_BOUND = 1.10  # a step whose wall time is above this times its GPU kernel time is host-bound
 
 
-DEVICE_TIME_NOTE = ("`GPU ms`: the GPU's kernel time in one step profiled after the timed ones (empty for rows "
+TIMING_PROTOCOL = ("Timing: after the warm-up steps, each timed step starts on an idle GPU and is timed by CUDA "
+                   "events to its end; Python's cycle collector runs between steps, not inside one; median and "
+                   "IQR over the timed steps.")
+DEVICE_TIME_NOTE = (f"{TIMING_PROTOCOL} "
+                    "`GPU ms`: the GPU's kernel time in one step profiled after the timed ones (empty for rows "
                     "measured before rows carried it); `GPU busy`: that over the wall time; `host-bound`: wall time "
                     f"over {HOST_BOUND:g}x the kernel time.")
 

@@ -5,6 +5,7 @@ person finds it in the model's code.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,12 @@ class Traced:
     written_buffers: frozenset[str] = frozenset()  # buffers such a write writes
     # fx node -> the state it uses in the program's order: "generators" (it draws), buffers it can reach
     shared_state: dict[str, frozenset[str]] = dataclasses.field(default_factory=dict)
+
+    @functools.cached_property
+    def layouts(self) -> dict:
+        """What the executor derives from this trace and a plan, by plan, made at the plan's first step
+        (``_layout`` in ``harness/execute.py``); it goes with the trace."""
+        return {}
 
     @property
     def random_nodes(self) -> frozenset[str]:

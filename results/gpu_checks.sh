@@ -9,9 +9,13 @@
 #              approx_dp (tc) at 6.0 GB (with its Chrome trace, gzipped), chen_sqrt and vanilla, eager (on the
 #              H200 host-bound: the GPU busy 49%, 53% once the executor's host work per recomputed layer was cut).
 #   figure3    Figure 3's claim: vanilla up to the first batch that does not fit 11.4 GB, then approx_dp (tc)
-#              and chen_sqrt at twice vanilla's largest batch (ResNet-152, PSPNet).
+#              and chen_sqrt at twice vanilla's largest batch (ResNet-152, PSPNet; F3_NETS=resnet152 for one).
 #   max_batch  the largest batch in 80 GB of chen_sqrt and approx_dp (tc, mc) on ResNet-50 and ResNet-152, each
 #              search starting from meta's answer (results/rows_max_batch_meta), its probes memory-only.
+#   eager      ResNet-152 at batch 128, eager, 15 timed steps: vanilla, approx_dp (tc) at 6.0 GB,
+#              torch_checkpoint_blocks and chen_sqrt: the executor's time against PyTorch's own recomputation,
+#              each beside its GPU kernel time.
+#   compiled   ResNet-152 at batch 128, compiled, 15 timed steps: vanilla and approx_dp (tc) at 8.6 and 12.8 GB.
 #   frontier   ResNet-152 at batch 128: vanilla eager and compiled, approx_dp (tc) eager and compiled at 6.0,
 #              8.6 and 12.8 GB (the frontier's goals; DP_BUDGETS=6.0GB for fewer).
 #   cost       what a cost model of measured layer times changes (harness.bench.cost_models): ResNet-152 at batch
@@ -65,6 +69,7 @@ if [ "$DEVICE" = cuda ] && [ "$CARD" = "NVIDIA H200" ]; then
 fi
 STAGES=${*:-profile figure3 max_batch frontier cost peer tests}
 FR="python3 -m harness.bench.frontier --device $DEVICE --nets resnet152 --timed-steps 10 --rows $ROWS/frontier"
+FR15="python3 -m harness.bench.frontier --device $DEVICE --nets resnet152 --timed-steps 15 --rows $ROWS/time"
 for name in $STAGES; do
     case $name in
     profile)
@@ -74,10 +79,17 @@ for name in $STAGES; do
             && $PS $WORK/profile_chen resnet152 chen_sqrt && $PS $WORK/profile_vanilla resnet152 vanilla" ;;
     figure3)
         F3="python3 -m harness.bench.figure3 --device $DEVICE --memory 11.4GB --rows $ROWS/figure3"
+        PSP="$F3 $WORK/f3c --nets pspnet --curves vanilla --batches 1,2,3 \
+            && $F3 $WORK/f3d --nets pspnet --curves 'approx_dp (tc),chen_sqrt' --batches 4"
+        case ${F3_NETS:-resnet152,pspnet} in *pspnet*) ;; *) PSP=true ;; esac
         stage 110 "$F3 $WORK/f3a --nets resnet152 --curves vanilla --batches 32,48,64 \
-            && $F3 $WORK/f3b --nets resnet152 --curves 'approx_dp (tc),chen_sqrt' --batches 96 \
-            && $F3 $WORK/f3c --nets pspnet --curves vanilla --batches 1,2,3 \
-            && $F3 $WORK/f3d --nets pspnet --curves 'approx_dp (tc),chen_sqrt' --batches 4" ;;
+            && $F3 $WORK/f3b --nets resnet152 --curves 'approx_dp (tc),chen_sqrt' --batches 96 && $PSP" ;;
+    eager)
+        stage 150 "$FR15 $WORK/time_eager --strategies approx_dp,torch_checkpoint_blocks,chen_sqrt \
+            --dp-budgets 6.0GB --modes eager" ;;
+    compiled)
+        stage "${COMPILED_S:-330}" "$FR15 $WORK/time_compiled --strategies approx_dp --dp-budgets 8.6GB,12.8GB \
+            --modes compiled" ;;
     max_batch)
         stage "${MAX_BATCH_S:-300}" "python3 -m harness.bench.max_batch $WORK/max_batch --device $DEVICE --memory 80GB \
             --nets resnet50,resnet152 --strategies chen_sqrt,approx_dp --guess-from results/rows_max_batch_meta \
@@ -93,7 +105,7 @@ for name in $STAGES; do
         stage 130 "python3 -m pytest -q -p no:cacheprovider -m gpu \
             ${GPU_TESTS:-tests/test_measure.py tests/test_swap.py tests/test_gpu.py}" ;;
     *)
-        echo "unknown stage $name; valid: profile figure3 max_batch frontier cost peer tests"
+        echo "unknown stage $name; valid: profile figure3 eager compiled max_batch frontier cost peer tests"
         exit 2 ;;
     esac
 done

@@ -440,3 +440,10 @@ def test_the_frontier_runs_the_points_asked_for_and_reads_them_back(tmp_path):
     assert (tmp_path / "f_vgg19.png").stat().st_size > 10_000
     frontier.main([str(tmp_path / "again"), *args[1:], "--from-rows"])
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "again.csv"), table)
+    # --modes eager: the same rows read back, the compiled ones left out
+    frontier.main([str(tmp_path / "eager"), *args[1:], "--from-rows", "--modes", "eager"])
+    eager = pd.read_csv(tmp_path / "eager.csv")
+    assert sorted(eager.point) == sorted(["vanilla"] + [f"approx_dp @ {b / 1e9:.2f} GB" for b in budgets])
+    assert not eager.compiled.any()
+    with pytest.raises(SystemExit, match="valid modes are eager, compiled"):
+        frontier.main([str(tmp_path / "bad"), *args[1:], "--modes", "jit"])

@@ -8,7 +8,7 @@ from torch import nn
 
 import strategies
 from harness import nets, peers
-from harness.execute import execute
+from harness.execute import execute, recorded_recomputations
 from harness.trace import trace
 from strategies import Plan, bits
 
@@ -271,6 +271,27 @@ class ClassifierHead(nn.Module):
 
     def forward(self, x):
         return self.head(self.body(x))
+
+
+def test_what_a_plan_needs_is_found_at_its_first_step_and_each_step_recomputes_what_its_backward_reads():
+    """The order of the calls and each recomputation's schedule are made once per trace and plan (NOTE [what a
+    call needs, found once] in harness/execute.py), and a recomputation's by what the step's tokens read: a
+    later step whose loss reads the head's output recomputes it too, and both steps are plain PyTorch's."""
+    torch.manual_seed(0)
+    model, x = ClassifierHead().train(), torch.randn(8, 16)
+    traced = trace(model, x)
+    graph = traced.graph
+    plan = Plan.from_stages(graph, [graph.all_nodes], kept=1 << graph.names.index("body_5"))
+    recomputed = []
+    for loss_fn in (lambda out: out.sum() * 2, lambda out: out.square().sum(), lambda out: out.sum() * 2):
+        reference, reference_loss = reference_step(model, x, loss_fn)
+        with recorded_recomputations() as stages:
+            assert_step_matches(model, x, loss_fn, reference, reference_loss, plan, traced, {})
+        recomputed.append(stages[-1])
+    assert len(traced.layouts) == 1
+    (layout,) = traced.layouts.values()
+    assert len(layout.recomputations) == 2  # the second step's wanted the head's value; the third is the first's
+    assert "head" not in recomputed[0] and "head" in recomputed[1] and recomputed[2] == recomputed[0]
 
 
 def test_a_recomputation_makes_only_what_the_rest_of_the_backward_reads():

@@ -37,6 +37,18 @@ def test_cpu_measures_time_too():
     assert all(p.grad is None for p in model.parameters())  # measurement leaves no gradients behind
 
 
+def test_the_cycle_collector_runs_between_timed_steps_not_inside_them():
+    """The timing protocol (harness.results.TIMING_PROTOCOL): a full collection falling inside a timed step
+    would add its milliseconds to that step alone."""
+    import gc
+
+    from harness.measure import _timed, _wall_ms
+
+    collector_on = []
+    times = _timed(lambda: collector_on.append(gc.isenabled()), nn.Linear(2, 2), 1, 3, _wall_ms)
+    assert collector_on == [True, False, False, False] and len(times) == 3 and gc.isenabled()
+
+
 def test_devices_are_checked():
     with pytest.raises(ValueError, match="valid devices: meta, cpu, cuda"):
         check_device("tpu")

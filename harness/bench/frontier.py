@@ -39,6 +39,7 @@ from harness.run import run_cell  # noqa: E402
 NETS = {"resnet152": (128, 224), "pspnet": (8, 712), "gpt2": (8, 1024)}
 RATIOS = (0.0, 0.2, 0.5, 0.8, 1.0)
 PEERS = ("torch_compile_budget", "torch_checkpoint_blocks", "torch_checkpoint_sequential")
+MODES = ("eager", "compiled")
 
 
 def time_axis(device: str) -> tuple[str, float, str]:
@@ -77,18 +78,22 @@ class Cells:
 
 
 def net_points(cells: Cells, dp_points: int, swap_points: int, strategies=None, ratios=RATIOS,
-               dp_budgets=None) -> None:
+               dp_budgets=None, modes=MODES) -> None:
     """Every point of one net, this project's own first (so that a short turn on a GPU measures those before
     the peers); ``strategies`` (default: all) picks which run, ``dp_budgets`` (bytes) replaces approx_dp's
-    ``dp_points`` spread from its minimum to vanilla's peak."""
+    ``dp_points`` spread from its minimum to vanilla's peak, ``modes`` ("eager", "compiled") which runs of
+    each (eager vanilla runs in any case: the others are read against it)."""
     def wanted(strategy):
         return strategies is None or strategy in strategies
+
+    def compiles(choices=(False, True)):
+        return tuple(c for c in choices if ("compiled" if c else "eager") in modes)
 
     vanilla = cells.run("vanilla")
     if vanilla.get("status") == "ok":
         top = vanilla["measured_peak_bytes"]
-        for strategy, count, compiles in (("approx_dp", dp_points, (False, True)), ("swap", swap_points, (False,))):
-            if not wanted(strategy):
+        for strategy, count, runs in (("approx_dp", dp_points, compiles()), ("swap", swap_points, compiles((False,)))):
+            if not wanted(strategy) or not runs:
                 continue
             if strategy == "approx_dp" and dp_budgets:
                 budgets = list(dp_budgets)
@@ -101,16 +106,17 @@ def net_points(cells: Cells, dp_points: int, swap_points: int, strategies=None, 
                 stop = top if strategy == "approx_dp" else least + (top - least) * (count - 1) / count
                 budgets = np.linspace(least, stop, count).astype(int)
             for budget in budgets:
-                for compile in compiles:
+                for compile in runs:
                     cells.run(strategy, budget=int(budget), compile=compile,
                               point=f"{strategy} @ {budget / 1e9:.2f} GB")
-    cells.run("vanilla", compile=True, point="vanilla")
-    if wanted("torch_compile_budget"):
+    if compiles((True,)):
+        cells.run("vanilla", compile=True, point="vanilla")
+    if wanted("torch_compile_budget") and compiles((True,)):
         for ratio in ratios:
             cells.run("torch_compile_budget", options={"budget_ratio": ratio},
                       point=f"torch_compile_budget {ratio:g}")
     for strategy in ("torch_checkpoint_blocks", "torch_checkpoint_sequential", "chen_sqrt"):
-        for compile in (False, True) if wanted(strategy) else ():
+        for compile in compiles() if wanted(strategy) else ():
             cells.run(strategy, compile=compile)
 
 
@@ -197,6 +203,8 @@ def main(argv=None) -> None:
     parser.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS),
                         help="torch_compile_budget's activation_memory_budget values")
     parser.add_argument("--timed-steps", type=int, default=10, help="cuda: steps timed per point, after 2 warm-ups")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated, of eager, compiled: which runs of each strategy (eager vanilla always)")
     add_rows_options(parser)
     args = parser.parse_args(argv)
     names = args.nets.split(",")
@@ -205,6 +213,9 @@ def main(argv=None) -> None:
         raise SystemExit(f"no sizes for {', '.join(unknown)} (give --batch and --side); nets with them: "
                          f"{', '.join(NETS)}")
     chosen = None if args.strategies is None else set(args.strategies.split(","))
+    modes = args.modes.split(",")
+    if not modes or set(modes) - set(MODES):
+        raise SystemExit(f"--modes {args.modes!r}: valid modes are {', '.join(MODES)}")
     ratios = [float(r) for r in args.ratios.split(",")]
     dp_budgets = None if args.dp_budgets is None else [parse_budget(b) for b in args.dp_budgets.split(",")]
     cells_per_net = 2 + len(ratios) + 6 + 2 * len(dp_budgets or range(args.dp_points)) + args.swap_points + 2
@@ -214,7 +225,7 @@ def main(argv=None) -> None:
         batch, side = NETS.get(net, (None, None))
         cells = Cells(net, args.batch or batch, args.side or side, args.device, args.rows, args.from_rows,
                       args.timed_steps, progress)
-        net_points(cells, args.dp_points, args.swap_points, chosen, ratios, dp_budgets)
+        net_points(cells, args.dp_points, args.swap_points, chosen, ratios, dp_budgets, modes)
         rows += cells.rows
     progress.close()
     table = points(rows, args.device)
