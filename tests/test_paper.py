@@ -144,6 +144,9 @@ def test_figure3_on_meta(tmp_path):
     else:
         assert "no fitting point" in line
     assert line in (tmp_path / "f3.md").read_text()
+    # a curve with no row at that batch (a run cut short) is said to be unmeasured, not to not fit
+    line, = figure3.tc_against_chen(table[table.curve != "chen_sqrt"])
+    assert line.endswith("chen_sqrt not measured (no row)") and "fitting point of chen_sqrt" not in line
 
 
 @pytest.mark.slow

@@ -87,10 +87,13 @@ def tc_against_chen(table: pd.DataFrame) -> list[str]:
         batch = 2 * int(vanilla.batch.max())
         at = {curve: group[(group.curve == curve) & (group.batch == batch) & group.fits & group.time.notna()]
               for curve in ("approx_dp (tc)", "chen_sqrt")}
-        missing = [curve for curve, rows in at.items() if rows.empty]
-        if missing:
-            lines.append(f"{net}: at batch {batch} (twice vanilla's {batch // 2}) no fitting point of "
-                         f"{' and '.join(missing)}")
+        measured = {curve for curve in at if ((group.curve == curve) & (group.batch == batch)).any()}
+        unmeasured = [curve for curve in at if curve not in measured]
+        unfit = [curve for curve, rows in at.items() if rows.empty and curve in measured]
+        if unmeasured or unfit:
+            lines.append(f"{net}: at batch {batch} (twice vanilla's {batch // 2}) "
+                         + "; ".join([f"no fitting point of {' and '.join(unfit)}"] * bool(unfit)
+                                     + [f"{' and '.join(unmeasured)} not measured (no row)"] * bool(unmeasured)))
             continue
         tc, chen = (float(rows.time.iloc[0]) for rows in at.values())
         gpu = [rows["GPU ms"].iloc[0] if "GPU ms" in rows else None for rows in at.values()]

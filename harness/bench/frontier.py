@@ -136,13 +136,15 @@ def points(rows: list[dict], device: str) -> pd.DataFrame:
                     "note": "" if row.get("status") == "ok" else str(row.get("error", ""))[:80],
                     **(device_time(row) if device == "cuda" else {})})
     table = pd.DataFrame(out)
-    if device == "cuda":  # each point's wall time and GPU time over eager vanilla's, side by side
-        for net, group in table.groupby("net"):
-            vanilla = group[(group.strategy == "vanilla") & ~group.compiled].dropna(subset=["time"])
-            if len(vanilla):
-                table.loc[group.index, "time / vanilla"] = group.time / vanilla.time.iloc[0]
-                table.loc[group.index, "GPU / vanilla"] = group["GPU ms"].astype(float) / vanilla["GPU ms"].iloc[0] \
-                    if pd.notna(vanilla["GPU ms"].iloc[0]) else np.nan
+    if device == "cuda":  # each point's wall time and GPU time over eager vanilla's (and PyTorch's own
+        for net, group in table.groupby("net"):  # eager checkpointing's), side by side
+            for base in ("vanilla", "torch_checkpoint_blocks"):
+                ran = group[(group.strategy == base) & ~group.compiled].dropna(subset=["time"])
+                if len(ran):
+                    short = base.removeprefix("torch_")
+                    table.loc[group.index, f"time / {short}"] = group.time / ran.time.iloc[0]
+                    table.loc[group.index, f"GPU / {short}"] = group["GPU ms"].astype(float) / ran["GPU ms"].iloc[0] \
+                        if pd.notna(ran["GPU ms"].iloc[0]) else np.nan
     table["pareto"] = False
     for net, group in table.groupby("net"):
         ok = group.dropna(subset=["peak GB", "time"])
@@ -159,6 +161,9 @@ def dominance(table: pd.DataFrame) -> list[str]:
     lines = []
     for net, group in table.groupby("net", sort=False):
         ours = group[(group.strategy == "approx_dp") & group.compiled].dropna(subset=["peak GB", "time"])
+        if ours.empty:
+            lines.append(f"- {net}: no compiled approx_dp point measured")
+            continue
         peers = group[group.strategy.isin(PEERS + ("vanilla",))].dropna(subset=["peak GB", "time"])
         for _, peer in peers.iterrows():
             name = f"{peer.point}{' (compiled)' if peer.compiled and peer.strategy != 'torch_compile_budget' else ''}"
@@ -246,7 +251,9 @@ def main(argv=None) -> None:
         "other point has both less memory and less time (on meta, swap is left out: the FLOPs do not count its "
         "copies). Swap's host link: the rows' `plan_host_bytes` each "
         "way (`host GB`); on meta its copies cost no time here."
-        + (f" {DEVICE_TIME_NOTE} `time / vanilla`, `GPU / vanilla`: over eager vanilla's." if args.device == "cuda"
+        + (f" {DEVICE_TIME_NOTE} `time / vanilla`, `GPU / vanilla`: over eager vanilla's; `time / checkpoint_blocks`, "
+           "`GPU / checkpoint_blocks`: over eager `torch_checkpoint_blocks`' (PyTorch's own recomputation)."
+           if args.device == "cuda"
            else "") + "\n\n"
         "Each PyTorch peer point against the compiled `approx_dp` points:\n\n" + "\n".join(lines) + "\n\n"
         + table.to_markdown(index=False, floatfmt=".4g") + "\n")
