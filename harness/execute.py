@@ -186,7 +186,6 @@ class _Step:
         self.layout = layout = _layout(self.traced, self.plan)
         self.discarded, self.stage_of, self.order = layout.discarded, layout.stage_of, layout.order
         self.stage_nodes, self.held_for, self.cached_names = layout.stage_nodes, layout.held_for, layout.cached_names
-        self.reads_left = dict(layout.reads_left)
         # kept group -> the stages still to read it
         self.cache_stages = {g: set(stages) for g, stages in layout.cache_stages.items()}
         self.effects = _SideEffects(self.traced, layout.recomputable)
@@ -207,7 +206,8 @@ class _Step:
         default = torch.get_default_device()
         self.default_device_mode = torch.device(default) if default.type != "cpu" else contextlib.nullcontext()
         self.effects.start({t.device for t in held})
-        for node in self.order:
+        # after each call, the values it read last go (and its own, where nothing reads it: a stray ``zeros_like``)
+        for node, frees in zip(self.order, self.layout.forward_frees):
             if node.op == "output":
                 return self._load(node.args[0])
             if node.op == "placeholder":  # an argument not given takes its default, as in fx.Interpreter
@@ -216,9 +216,8 @@ class _Step:
             self.store.pending.clear()  # saved by an earlier node and left as it is
             value = self.effects.run(node, self._load(node.args), self._load(node.kwargs), recompute=False)
             self._store(node, value)
-            self._free_inputs(node)
-            if not self.reads_left.get(node.name):  # dead code (a stray ``zeros_like``): its value goes now
-                self.env.pop(node.name, None)
+            for name in frees:
+                self.env.pop(name, None)
             del value
 
     def _store(self, node: fx.Node, value):
@@ -233,12 +232,6 @@ class _Step:
                 self.cache[node.name] = value
             self.swap.note_value(g, value)
         self.store.resolve(node.name if g is not None else None)
-
-    def _free_inputs(self, node: fx.Node):
-        for source in node.all_input_nodes:
-            self.reads_left[source.name] -= 1
-            if self.reads_left[source.name] == 0:
-                self.env.pop(source.name, None)
 
     def end_forward(self):
         self.store.resolve()
@@ -274,7 +267,7 @@ class _Step:
             self.layout.recomputations[key] = _recomputation(self.traced, self.plan, self.stage_nodes, *key)
         run = self.layout.recomputations[key]
         self.effects.forget(run.not_rerun)
-        order, groups, finals, uses = run.order, run.groups, run.finals, dict(run.uses)
+        order, groups = run.order, run.groups
         for recorder in _RECORDERS:
             recorder.append([n.name for n in order])
         env = {}
@@ -283,22 +276,16 @@ class _Step:
         storages = {g: {} for g in groups if read >> g & 1}
         ranks = {g: {} for g in storages}
         with torch.no_grad(), self.effects.replaying(order), self.default_device_mode, recomputing():
-            for node in order:
-                load = lambda a: self._load(a, env)  # noqa: E731
+            for node, g, frees in zip(order, run.node_groups, run.frees):
                 if node.name in self.store.extra_nodes:
                     env[node.name] = self._rerun_saving(node, env)
                 else:
-                    env[node.name] = self.effects.run(node, load(node.args), load(node.kwargs), recompute=True)
-                g = self.traced.group_of[node.name]
+                    env[node.name] = self.effects.run(node, self._load(node.args, env), self._load(node.kwargs, env),
+                                                      recompute=True)
                 if g in storages:
                     storages[g] |= {ranks[g][sid]: t for sid, t in _ranked(env[node.name], ranks[g]).items()}
-                for source in node.all_input_nodes:
-                    if source.name in uses:
-                        uses[source.name] -= 1
-                        if uses[source.name] == 0 and source.name not in finals:
-                            env.pop(source.name, None)
-                if not uses.get(node.name) and node.name not in finals:
-                    env.pop(node.name)
+                for name in frees:
+                    env.pop(name, None)
         for g in groups:
             if wanted >> g & 1:  # pending tokens: of its value, or only of what its layer saved
                 self.store.recomputed[g] = storages[g] if read >> g & 1 else _EXTRAS_ONLY
@@ -752,7 +739,7 @@ def _layout(traced: Traced, plan: Plan) -> SimpleNamespace:
     remade = discarded - set(members(graph.never_recomputed()))  # its RNG and state are kept for it
     layout = SimpleNamespace(
         discarded=discarded, stage_of=stage_of, order=order, stage_nodes=stage_nodes, held_for=held_for,
-        cached_names=cached_names, cache_stages=cache_stages, reads_left=_last_uses(nodes.values()),
+        cached_names=cached_names, cache_stages=cache_stages, forward_frees=_frees(order),
         unreached=set(graph.unreached), recomputable={name for g in remade for name in traced.members[g]},
         recomputations={})
     traced.layouts[key] = layout
@@ -771,8 +758,9 @@ def _recomputation(traced: Traced, plan: Plan, stage_nodes: dict[int, list[fx.No
     order = [n for n in stage_nodes[stage] if n.name in names]
     # The values tokens will read stay to the end of the stage; any other goes after its last use there,
     # as the simulator frees it (a value no backward reads: a downsampling branch read by an addition).
-    return SimpleNamespace(order=order, groups=groups, uses=_last_uses(order),
-                           finals={traced.members[g][-1] for g in members(read)},
+    finals = {traced.members[g][-1] for g in members(read)}
+    return SimpleNamespace(order=order, groups=groups, node_groups=[traced.group_of[n.name] for n in order],
+                           frees=_frees(order, finals),
                            not_rerun=tuple(name for g in members(discarded & ~made) for name in traced.members[g]))
 
 
@@ -830,13 +818,19 @@ def _delayed(nodes: list[fx.Node], traced: Traced) -> dict[str, int]:
     return delayed
 
 
-def _last_uses(nodes) -> dict[str, int]:
-    """How many of ``nodes`` read each node."""
-    counts: dict[str, int] = {}
-    for node in nodes:
+def _frees(order: list[fx.Node], keep=frozenset()) -> list[tuple[str, ...]]:
+    """For each node of ``order``, the values to let go of once it has run: those it is the last of ``order`` to
+    read, and its own where none reads it; ``keep`` aside."""
+    last: dict[str, int] = {}
+    for index, node in enumerate(order):
+        last[node.name] = index
         for source in node.all_input_nodes:
-            counts[source.name] = counts.get(source.name, 0) + 1
-    return counts
+            last[source.name] = index
+    frees: list[list[str]] = [[] for _ in order]
+    for name, index in last.items():
+        if name not in keep:
+            frees[index].append(name)
+    return [tuple(names) for names in frees]
 
 
 def _ranked(value, ranks: dict[int, int]) -> dict[int, torch.Tensor]:

@@ -3,8 +3,8 @@ OUT_STEM [--device cpu|cuda] [--nets a,b] [--strategies a,b]``.
 
 Every strategy the executor runs (and PyTorch's own checkpointing, the peers) on the zoo nets at small sizes
 (``SIZES``), eager. For each cell, per training step after a warm-up step: the ATen op calls and the host
-time outside ATen ops (Python: the executor's and the model's) of ``--steps`` profiled steps
-(``profile_step.profile_cell``), and the same for the calls the plan recomputed run plainly, one after
+time outside ATen ops (Python: the executor's and the model's), the median of ``--steps`` steps profiled one by
+one (``ops_and_python``), and the same for the calls the plan recomputed run plainly, one after
 another under ``no_grad`` (``plain_recomputation``): the ops and Python a recomputation cannot avoid. The
 goals a lean executor meets:
 
@@ -20,6 +20,8 @@ measure: it is refused.
 from __future__ import annotations
 
 import argparse
+import gc
+import statistics
 import time
 from pathlib import Path
 
@@ -31,7 +33,7 @@ from tqdm import tqdm
 
 import strategies
 from harness.bench.common import command_of, made_by
-from harness.bench.profile_step import aten_calls, host_ops, profile_cell
+from harness.bench.profile_step import aten_calls, host_ops
 from harness.execute import call_node, recorded_recomputations
 from harness.measure import clear_grads
 from harness.results import label
@@ -50,15 +52,26 @@ PYTHON_FACTOR = 1.2  # of vanilla's host time outside ATen
 
 
 def ops_and_python(run, device: str, steps: int = 1) -> tuple[float, float]:
-    """(ATen op calls, host ms outside ATen ops) per call of ``run``, profiled ``steps`` times, counted as
-    ``profile_step.profile_cell`` counts a step."""
-    with profile() as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            run()
-        wall_ms = (time.perf_counter() - start) * 1e3 / steps
-    ops = host_ops(prof.key_averages(), steps, device)
-    return aten_calls(ops), max(0.0, wall_ms - ops["host self ms"].sum())
+    """(ATen op calls, host ms outside ATen ops) of one call of ``run``: the median over ``steps`` calls, each
+    profiled on its own, with Python's cycle collector run before it and held off during it (the timing
+    protocol, ``harness.results.TIMING_PROTOCOL``). One slow call (the machine busy elsewhere for a moment)
+    moves a mean of a few calls by half; it does not move their median."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    samples = []
+    for _ in range(steps):
+        gc.collect()
+        gc.disable()
+        try:
+            with profile() as prof:
+                start = time.perf_counter()
+                run()
+                sync()
+                wall_ms = (time.perf_counter() - start) * 1e3
+        finally:
+            gc.enable()
+        ops = host_ops(prof.key_averages(), 1, device)
+        samples.append((aten_calls(ops), max(0.0, wall_ms - ops["host self ms"].sum())))
+    return statistics.median(o for o, _ in samples), statistics.median(p for _, p in samples)
 
 
 def plain_recomputation(traced: Traced, example_input: torch.Tensor, names: list[str],
@@ -100,11 +113,15 @@ def measure_cell(net: str, strategy: str, options: dict, device: str, steps: int
         clear_grads(cell.model)
         cell.step()  # the first step learns what each call needs
     recomputed = [name for stage in stages for name in stage]
-    figures, _ = profile_cell(cell, device, warmup=0, steps=steps)
+    def step():
+        clear_grads(cell.model)
+        cell.step()
+
+    ops, python_ms = ops_and_python(step, device, steps)
     own_ops, own_python = plain_recomputation(cell.traced, cell.example_input, recomputed, steps) if recomputed \
         else (0.0, 0.0)
     return {"net": net, "batch": batch, "side": side, "strategy": label(strategy, options),
-            "ops": figures["ATen op calls per step"], "python ms": figures["host ms outside them (Python)"],
+            "ops": ops, "python ms": python_ms,
             "recomputed calls": len(recomputed), "their ops": own_ops, "their python ms": own_python}
 
 
@@ -136,7 +153,7 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cpu", help=f"one of {', '.join(DEVICES)}")
     parser.add_argument("--nets", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--strategies", help="comma-separated strategy names (default: every one listed above)")
-    parser.add_argument("--steps", type=int, default=3, help="profiled steps per cell")
+    parser.add_argument("--steps", type=int, default=5, help="steps profiled one by one per cell (median)")
     args = parser.parse_args(argv)
     if args.device not in DEVICES:
         parser.error(f"--device {args.device!r}: the overhead is host time and ATen ops, which {args.device!r} "
@@ -163,8 +180,8 @@ def main(argv=None) -> None:
     goals = (f"Goals: ops within the bound in {(recomputing['ops ok'] == 'yes').sum()} of {len(recomputing)} "
              f"recomputing cells, Python within it in {(recomputing['python ok'] == 'yes').sum()}.")
     args.out_stem.with_suffix(".md").write_text(
-        f"{made_by(command)}, on {where}, eager; per step, {args.steps} profiled steps "
-        "after one warm-up. Bounds: ops at most vanilla's + the recomputed calls' own + 2 per recomputed call; "
+        f"{made_by(command)}, on {where}, eager; per step, the median of {args.steps} steps profiled one by one "
+        "after one warm-up, the cycle collector run between them. Bounds: ops at most vanilla's + the recomputed calls' own + 2 per recomputed call; "
         "Python (host time outside ATen ops) at most 1.2x vanilla's + the recomputed calls' own, run plainly.\n\n"
         f"{goals}\n\n" + frame.to_markdown(index=False, floatfmt=".4g") + "\n"
         + ("\nNot run (no plan for the net):\n\n" + "\n".join(inapplicable) + "\n" if inapplicable else ""))

@@ -36,7 +36,8 @@ def host_ops(events, steps: int, device: str) -> pd.DataFrame:
     return pd.DataFrame([{"op": e.key, "calls per step": e.count / steps,
                           "host self ms": e.self_cpu_time_total / 1e3 / steps,
                           "device self ms": e.self_device_time_total / 1e3 / steps if device == "cuda" else None}
-                         for e in events if e.device_type == DeviceType.CPU and e.key != RECOMPUTE_EVENT])
+                         for e in events if e.device_type == DeviceType.CPU and e.key != RECOMPUTE_EVENT],
+                        columns=["op", "calls per step", "host self ms", "device self ms"])
 
 
 def aten_calls(ops: pd.DataFrame) -> float:
