@@ -1,9 +1,11 @@
 """Run one training step (forward, loss, backward) of a traced module under any ``Plan``.
 
 NOTE [executing a plan]
-The forward pass runs the fx graph layer by layer with autograd on, stage by stage (``_stage_order``), inside
-``saved_tensors_hooks``. When a layer's backward saves a tensor whose storage belongs to an IR node the
-plan recomputes, the hook keeps only a token (the node, which of its storages: a layer may make several,
+The forward pass runs the fx graph layer by layer with autograd on, stage by stage (``_stage_order``); the
+calls that may save what the plan recomputes, swaps or lets go of at the loss (those of such IR nodes, and
+those that read one), and the loss, run inside ``saved_tensors_hooks``, every other call as plain PyTorch runs
+it (a hook on every save cost vanilla's ResNet-50 step a third of its host time). When a layer's backward saves
+a tensor whose storage belongs to an IR node the plan recomputes, the hook keeps only a token (the node, which of its storages: a layer may make several,
 as ``torch.linalg.qr`` makes Q and R, and the tensor's size, stride and offset), so the value dies after
 its last forward use. Values the plan keeps are saved as usual, and the executor holds
 on to those that the recomputation of a later stage reads.
@@ -125,13 +127,13 @@ def execute(traced: Traced, plan: Plan, *inputs: torch.Tensor, loss_fn=None) -> 
     step = _Step(traced, plan)
     loss_fn = loss_fn or sum_loss
     try:
-        with torch.autograd.graph.saved_tensors_hooks(step.store.pack, step.store.unpack):
-            output = step.forward(inputs)
+        output = step.forward(inputs)
+        with step.hooks:
             loss = loss_fn(output)
-            del output
-            step.store.drop_unreached()
-            step.end_forward()
-            loss.backward()
+        del output
+        step.store.drop_unreached()
+        step.end_forward()
+        loss.backward()
     except BaseException:
         # A saved output holds its own grad_fn, which holds the hook's _Saved, which holds the output: a
         # cycle through C++ that the collector cannot see, broken only by a backward that completes. A step
@@ -192,6 +194,7 @@ class _Step:
         self.swap = _Swap(self.traced.graph, self.plan)
         self.store = _Store(self.traced.group_of, self.discarded, layout.unreached, self.swap,
                             lambda g: self._recompute_stage(self.stage_of[g]))
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.store.pack, self.store.unpack)
 
     # -- forward -------------------------------------------------------------------------------------
 
@@ -207,14 +210,18 @@ class _Step:
         self.default_device_mode = torch.device(default) if default.type != "cpu" else contextlib.nullcontext()
         self.effects.start({t.device for t in held})
         # after each call, the values it read last go (and its own, where nothing reads it: a stray ``zeros_like``)
-        for node, frees in zip(self.order, self.layout.forward_frees):
+        for node, frees, hooked in zip(self.order, self.layout.forward_frees, self.layout.hooked):
             if node.op == "output":
                 return self._load(node.args[0])
             if node.op == "placeholder":  # an argument not given takes its default, as in fx.Interpreter
                 self.constants[node.name] = next(args, node.args[0] if node.args else None)
                 continue
-            self.store.pending.clear()  # saved by an earlier node and left as it is
-            value = self.effects.run(node, self._load(node.args), self._load(node.kwargs), recompute=False)
+            if hooked:
+                self.store.pending.clear()  # saved by an earlier node and left as it is
+                with self.hooks:
+                    value = self.effects.run(node, self._load(node.args), self._load(node.kwargs), recompute=False)
+            else:
+                value = self.effects.run(node, self._load(node.args), self._load(node.kwargs), recompute=False)
             self._store(node, value)
             for name in frees:
                 self.env.pop(name, None)
@@ -737,9 +744,16 @@ def _layout(traced: Traced, plan: Plan) -> SimpleNamespace:
                 cached_names.setdefault(g, set()).add(source.name)
                 cache_stages.setdefault(g, set()).add(stage_of[traced.group_of[name]])
     remade = discarded - set(members(graph.never_recomputed()))  # its RNG and state are kept for it
+    # The calls whose saves the hooks must see (NOTE [executing a plan]): those of a value the plan recomputes
+    # or swaps, or that no gradient reaches, and those that read a value it recomputes or swaps.
+    watched = discarded | set(members(plan.swapped))
+    own_watched = watched | set(graph.unreached)
+    hooked = [traced.group_of.get(node.name) in own_watched
+              or any(traced.group_of.get(source.name) in watched for source in node.all_input_nodes)
+              for node in order]
     layout = SimpleNamespace(
         discarded=discarded, stage_of=stage_of, order=order, stage_nodes=stage_nodes, held_for=held_for,
-        cached_names=cached_names, cache_stages=cache_stages, forward_frees=_frees(order),
+        cached_names=cached_names, cache_stages=cache_stages, forward_frees=_frees(order), hooked=hooked,
         unreached=set(graph.unreached), recomputable={name for g in remade for name in traced.members[g]},
         recomputations={})
     traced.layouts[key] = layout
