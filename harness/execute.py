@@ -5,10 +5,10 @@ The forward pass runs the fx graph layer by layer with autograd on, stage by sta
 calls that may save what the plan recomputes, swaps or lets go of at the loss (those of such IR nodes, and
 those that read one), and the loss, run inside ``saved_tensors_hooks``, every other call as plain PyTorch runs
 it (a hook on every save cost vanilla's ResNet-50 step a third of its host time). When a layer's backward saves
-a tensor whose storage belongs to an IR node the plan recomputes, the hook keeps only a token (the node, which of its storages: a layer may make several,
-as ``torch.linalg.qr`` makes Q and R, and the tensor's size, stride and offset), so the value dies after
-its last forward use. Values the plan keeps are saved as usual, and the executor holds
-on to those that the recomputation of a later stage reads.
+a tensor whose storage belongs to an IR node the plan recomputes, the hook keeps only a token (the node, which
+of its storages: a layer may make several, as ``torch.linalg.qr`` makes Q and R, and the tensor's size, stride
+and offset), so the value dies after its last forward use. Values the plan keeps are saved as usual, and the
+executor holds on to those that the recomputation of a later stage reads.
 
 In the backward pass, the first time the autograd engine unpacks a token of stage ``i``, all the
 recomputed nodes of stage ``i`` are run again, under ``no_grad``, from the kept values (Kusumoto et al.'s
@@ -766,8 +766,9 @@ def _layout(traced: Traced, plan: Plan) -> SimpleNamespace:
 def _recomputation(traced: Traced, plan: Plan, stage_nodes: dict[int, list[fx.Node]], stage: int, wanted: int,
                    read: int) -> SimpleNamespace:
     """How stage ``stage`` is recomputed when the tokens still to be unpacked are of the groups ``wanted``, and
-    of their values for the groups ``read`` (bitsets): the calls it reruns in order, how many of them read
-    each value, the values kept to its end (those tokens read), and the calls not rerun."""
+    of their values for the groups ``read`` (bitsets): the calls it reruns in order, with each one's IR node and
+    the values to let go of once it has run (those tokens read stay to the stage's end), and the calls not
+    rerun."""
     discarded = plan.stages[stage] & ~plan.kept
     made = traced.graph.with_inputs_within(wanted, discarded)
     groups = members(made)

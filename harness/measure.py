@@ -233,9 +233,9 @@ def clear_grads(model):
 
 
 def _timed(step, model, warmup_steps, timed_steps, clock) -> list[float]:
-    """The times of ``timed_steps`` steps after ``warmup_steps`` (TIMING_PROTOCOL): Python's cycle collector
-    runs between the timed steps, never inside one, where a full collection of a large program's objects
-    would add milliseconds to whichever step it fell in."""
+    """The times of ``timed_steps`` steps after ``warmup_steps`` (``harness.results.TIMING_PROTOCOL``): the cycle
+    collector runs between the timed steps, never inside one, where a full collection of a large program's
+    objects would add milliseconds to whichever step it fell in."""
     for _ in range(warmup_steps):
         clear_grads(model)
         step()

@@ -113,6 +113,7 @@ def measure_cell(net: str, strategy: str, options: dict, device: str, steps: int
         clear_grads(cell.model)
         cell.step()  # the first step learns what each call needs
     recomputed = [name for stage in stages for name in stage]
+
     def step():
         clear_grads(cell.model)
         cell.step()
@@ -181,7 +182,8 @@ def main(argv=None) -> None:
              f"recomputing cells, Python within it in {(recomputing['python ok'] == 'yes').sum()}.")
     args.out_stem.with_suffix(".md").write_text(
         f"{made_by(command)}, on {where}, eager; per step, the median of {args.steps} steps profiled one by one "
-        "after one warm-up, the cycle collector run between them. Bounds: ops at most vanilla's + the recomputed calls' own + 2 per recomputed call; "
+        "after one warm-up, the cycle collector run between them. Bounds: ops at most vanilla's + the recomputed "
+        "calls' own + 2 per recomputed call; "
         "Python (host time outside ATen ops) at most 1.2x vanilla's + the recomputed calls' own, run plainly.\n\n"
         f"{goals}\n\n" + frame.to_markdown(index=False, floatfmt=".4g") + "\n"
         + ("\nNot run (no plan for the net):\n\n" + "\n".join(inapplicable) + "\n" if inapplicable else ""))
