@@ -9,13 +9,16 @@
 #              approx_dp (tc) at 6.0 GB (with its Chrome trace, gzipped), chen_sqrt and vanilla, eager (on the
 #              H200 host-bound: the GPU busy 49%, 53% once the executor's host work per recomputed layer was cut).
 #   figure3    Figure 3's claim: vanilla up to the first batch that does not fit 11.4 GB, then approx_dp (tc)
-#              and chen_sqrt at twice vanilla's largest batch (ResNet-152, PSPNet; F3_NETS=resnet152 for one).
+#              and chen_sqrt at twice vanilla's largest batch (ResNet-152, PSPNet; F3_NETS=resnet152 for one;
+#              F3_S seconds, 150 by default: on an H100 ResNet-152's five cells take about 130 s).
 #   max_batch  the largest batch in 80 GB of chen_sqrt and approx_dp (tc, mc) on ResNet-50 and ResNet-152, each
 #              search starting from meta's answer (results/rows_max_batch_meta), its probes memory-only.
 #   eager      ResNet-152 at batch 128, eager, 15 timed steps: vanilla, approx_dp (tc) at 6.0 GB,
 #              torch_checkpoint_blocks and chen_sqrt: the executor's time against PyTorch's own recomputation,
 #              each beside its GPU kernel time.
-#   compiled   ResNet-152 at batch 128, compiled, 15 timed steps: vanilla and approx_dp (tc) at 8.6 and 12.8 GB.
+#   compiled   ResNet-152 at batch 128, compiled, 15 timed steps: vanilla and approx_dp (tc) at 8.6 and 12.8 GB
+#              (COMPILED_S seconds, 330 by default: a plan over its budget on the device is solved and
+#              compiled again, so one cell may take two compiles, over 200 s).
 #   frontier   ResNet-152 at batch 128: vanilla eager and compiled, approx_dp (tc) eager and compiled at 6.0,
 #              8.6 and 12.8 GB (the frontier's goals; DP_BUDGETS=6.0GB for fewer).
 #   cost       what a cost model of measured layer times changes (harness.bench.cost_models): ResNet-152 at batch
@@ -82,7 +85,7 @@ for name in $STAGES; do
         PSP="$F3 $WORK/f3c --nets pspnet --curves vanilla --batches 1,2,3 \
             && $F3 $WORK/f3d --nets pspnet --curves 'approx_dp (tc),chen_sqrt' --batches 4"
         case ${F3_NETS:-resnet152,pspnet} in *pspnet*) ;; *) PSP=true ;; esac
-        stage 110 "$F3 $WORK/f3a --nets resnet152 --curves vanilla --batches 32,48,64 \
+        stage "${F3_S:-150}" "$F3 $WORK/f3a --nets resnet152 --curves vanilla --batches 32,48,64 \
             && $F3 $WORK/f3b --nets resnet152 --curves 'approx_dp (tc),chen_sqrt' --batches 96 && $PSP" ;;
     eager)
         stage 150 "$FR15 $WORK/time_eager --strategies approx_dp,torch_checkpoint_blocks,chen_sqrt \
