@@ -101,8 +101,8 @@ HOST_BOUND = 1.10  # a step whose wall time is above this times its GPU kernel t
 
 
 TIMING_PROTOCOL = ("Timing: after the warm-up steps, each timed step starts on an idle GPU and is timed by CUDA "
-                   "events to its end; Python's cycle collector runs between steps, not inside one; median and "
-                   "IQR over the timed steps.")
+                   "events to its end; median and IQR over the timed steps. In rows of code 51b58c8 and later "
+                   "(the rows' `git_commit`) Python's cycle collector runs between timed steps, never inside one.")
 DEVICE_TIME_NOTE = (f"{TIMING_PROTOCOL} "
                     "`GPU ms`: the GPU's kernel time in one step profiled after the timed ones (empty for rows "
                     "measured before rows carried it); `GPU busy`: that over the wall time; `host-bound`: wall time "

@@ -237,7 +237,7 @@ def main(argv=None) -> None:
     lines = [f"{made_by(command)}, device {device_name}, {platform.machine()}, "
              f"torch {torch_version}. A batch fits when its run is `ok` and its measured peak (parameters, "
              "gradients and the input batch included) is within the memory; `next batch` says why one more "
-             "does not." + (f" At the largest batch: `step ms there`, the step's wall time; {DEVICE_TIME_NOTE}"
+             "does not." + (f" At the largest batch: `step ms there`, the step's wall time. {DEVICE_TIME_NOTE}"
                             if args.device == "cuda" else ""),
              "", wide.to_markdown(index=False), "", "## Every search", "",
              table.to_markdown(index=False, floatfmt=".2f"), ""]
