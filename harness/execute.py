@@ -4,7 +4,7 @@ NOTE [executing a plan]
 The forward pass runs the fx graph layer by layer with autograd on, stage by stage (``_stage_order``); the
 calls that may save what the plan recomputes, swaps or lets go of at the loss (those of such IR nodes, and
 those that read one), and the loss, run inside ``saved_tensors_hooks``, every other call as plain PyTorch runs
-it (a hook on every save cost vanilla's ResNet-50 step a third of its host time). When a layer's backward saves
+it (a hook on every save is host work that plain PyTorch does not do). When a layer's backward saves
 a tensor whose storage belongs to an IR node the plan recomputes, the hook keeps only a token (the node, which
 of its storages: a layer may make several, as ``torch.linalg.qr`` makes Q and R, and the tensor's size, stride
 and offset), so the value dies after its last forward use. Values the plan keeps are saved as usual, and the
