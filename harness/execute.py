@@ -226,6 +226,8 @@ class _Step:
             else:
                 value = self.effects.run(node, self._load(node.args), self._load(node.kwargs), recompute=False)
             self._store(node, value)
+            if hooked:  # what the call saved, once its value's storages are known (an unhooked call saves none here)
+                self.store.resolve(node.name if node.name in self.traced.group_of else None)
             for name in frees:
                 self.env.pop(name, None)
             del value
@@ -241,7 +243,6 @@ class _Step:
             if node.name in self.cached_names.get(g, ()):
                 self.cache[node.name] = value
             self.swap.note_value(g, value)
-        self.store.resolve(node.name if g is not None else None)
 
     def end_forward(self):
         self.store.resolve()

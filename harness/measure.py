@@ -242,14 +242,24 @@ def _timed(step, model, warmup_steps, timed_steps, clock) -> list[float]:
     times = []
     for _ in range(timed_steps):
         clear_grads(model)
-        gc.collect()
-        gc.disable()
-        try:
+        with collected_then_held_off():
             times.append(clock(step))
-        finally:
-            gc.enable()
     clear_grads(model)
     return times
+
+
+@contextlib.contextmanager
+def collected_then_held_off():
+    """Python's cycle collector run now and held off until the block ends: a timed block is timed without a
+    collection falling in it (``harness.results.TIMING_PROTOCOL``)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _wall_ms(step) -> float:

@@ -91,9 +91,12 @@ def tc_against_chen(table: pd.DataFrame) -> list[str]:
         unmeasured = [curve for curve in at if curve not in measured]
         unfit = [curve for curve, rows in at.items() if rows.empty and curve in measured]
         if unmeasured or unfit:
-            lines.append(f"{net}: at batch {batch} (twice vanilla's {batch // 2}) "
-                         + "; ".join([f"no fitting point of {' and '.join(unfit)}"] * bool(unfit)
-                                     + [f"{' and '.join(unmeasured)} not measured (no row)"] * bool(unmeasured)))
+            said = []
+            if unfit:
+                said.append(f"no fitting point of {' and '.join(unfit)}")
+            if unmeasured:
+                said.append(f"{' and '.join(unmeasured)} not measured (no row)")
+            lines.append(f"{net}: at batch {batch} (twice vanilla's {batch // 2}) " + "; ".join(said))
             continue
         tc, chen = (float(rows.time.iloc[0]) for rows in at.values())
         gpu = [rows["GPU ms"].iloc[0] if "GPU ms" in rows else None for rows in at.values()]

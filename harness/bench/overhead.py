@@ -20,7 +20,6 @@ measure: it is refused.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ import strategies
 from harness.bench.common import command_of, made_by
 from harness.bench.profile_step import aten_calls, host_ops
 from harness.execute import call_node, recorded_recomputations
-from harness.measure import clear_grads
+from harness.measure import clear_grads, collected_then_held_off
 from harness.results import label
 from harness.run import build_cell, cell_row
 from harness.state import generators_of, state_kept
@@ -59,16 +58,11 @@ def ops_and_python(run, device: str, steps: int = 1) -> tuple[float, float]:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     samples = []
     for _ in range(steps):
-        gc.collect()
-        gc.disable()
-        try:
-            with profile() as prof:
-                start = time.perf_counter()
-                run()
-                sync()
-                wall_ms = (time.perf_counter() - start) * 1e3
-        finally:
-            gc.enable()
+        with collected_then_held_off(), profile() as prof:
+            start = time.perf_counter()
+            run()
+            sync()
+            wall_ms = (time.perf_counter() - start) * 1e3
         ops = host_ops(prof.key_averages(), 1, device)
         samples.append((aten_calls(ops), max(0.0, wall_ms - ops["host self ms"].sum())))
     return statistics.median(o for o, _ in samples), statistics.median(p for _, p in samples)

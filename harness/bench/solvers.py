@@ -5,9 +5,8 @@ mode, the lower sets in the family, the minimal feasible budget by Kusumoto et a
 input excluded) and by the replay (every strategy's budget), and the wall time of ``strategies.solve``
 (median of ``--repeat`` runs) for the minimal budget and for one budget, 1.05x the replay's minimum, with the
 plan's overhead there. The goals: a budgeted solve in at most 0.2 s (``approx_dp``) and 1 s (``exact_dp``) on
-the zoo's nets. The DPs' kernels
-are compiled by numba on first use and cached on disk; a warm-up solve on a toy graph loads them first,
-and its time is reported on its own.
+the zoo's nets. The DPs' kernels are compiled by numba on first use and cached on disk; a warm-up solve on a
+toy graph loads them first, and its time is reported on its own.
 """
 
 from __future__ import annotations
