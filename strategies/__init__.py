@@ -27,6 +27,7 @@ from strategies.simulate import Prediction, simulate
 # name -> module; imported on first use so that a strategy's optional dependencies stay optional.
 _MODULES = {
     "vanilla": "strategies.vanilla",
+    "optimal": "strategies.optimal",
     "liveness_only": "strategies.liveness_only",
     "exact_dp": "strategies.exact_dp",
     "approx_dp": "strategies.approx_dp",

@@ -1,0 +1,195 @@
+"""Every strategy's distance to the optimum: ``python -m harness.bench.optimality OUT_STEM``.
+
+For each net (the zoo's at Kusumoto et al.'s sizes, GPT-2 and ViT-B/16) and four budgets (``approx_dp`` tc's
+minimal budget, and 25%, 50% and 75% of the way from it to vanilla's peak; all by the replay, the graph's
+values only): the least overhead ``optimal`` finds within ``--time-limit`` seconds, the lower bound it proves
+and the gap (NOTE [a proven optimum in the replay's accounting] in ``strategies/optimal.py``), and each
+strategy's predicted overhead at that budget as a ratio to the best plan found ("over": its plan does not fit
+the budget). Writes ``OUT_STEM.md``, ``OUT_STEM.csv`` and one PNG per net (overhead against budget, the optimum's
+curve and bound beneath the others); each cell is kept in ``OUT_STEM.cells/`` as it ends, and a run resumes from
+them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import pandas as pd
+from tqdm import tqdm
+
+import strategies
+from harness import nets, peers
+from harness.bench.common import command_of, made_by, plt, save_figure
+from harness.run import traced_net
+
+GB = 1e9
+FRACTIONS = (0.0, 0.25, 0.5, 0.75)  # of the way from approx_dp tc's minimal budget to vanilla's peak
+NETS = ("unet", "vgg19", "resnet50", "googlenet", "pspnet", "resnet152", "densenet161", "gpt2", "vit_b_16")
+STRATEGIES = [("approx_dp", {"mode": "tc"}), ("approx_dp", {"mode": "mc"}), ("exact_dp", {"mode": "tc"}),
+              ("exact_dp", {"mode": "mc"}), ("chen_greedy", {}), ("chen_sqrt", {}), ("torch_checkpoint_blocks", {}),
+              ("torch_checkpoint_sequential", {}), ("ilp_optimal", {})]
+
+
+def label(name: str, options: dict) -> str:
+    return name + (f" ({options['mode']})" if "mode" in options else "")
+
+
+def strategy_overhead(graph, name: str, options: dict, budget: int, limit_s: float,
+                      structure: dict) -> tuple[float | None, str]:
+    """The predicted overhead of the strategy's plan at ``budget``, or None and why there is none."""
+    options = {**peers.zoo_options(name, structure), **options}
+    if name in ("exact_dp", "ilp_optimal"):
+        options = {**options, "time_limit_s": limit_s}
+    try:
+        plan = strategies.solve(name, graph, budget, **options)
+    except strategies.InfeasibleBudget:
+        return None, "over"
+    except strategies.SolverTimeout:
+        return None, "timeout"
+    except strategies.Inapplicable:
+        return None, "not built"
+    prediction = strategies.simulate(graph, plan)
+    if prediction.peak_bytes > budget:  # a plan with no budget to choose by (chen_sqrt, the peers)
+        return None, "over"
+    return prediction.overhead_cost, ""
+
+
+def bench_cell(graph, budget: int, limit_s: float, structure: dict) -> dict:
+    start = time.perf_counter()
+    plan = strategies.solve("optimal", graph, budget, time_limit_s=limit_s)
+    solve_s = time.perf_counter() - start
+    best = strategies.simulate(graph, plan).overhead_cost
+    row = {"optimum": best, "lower bound": plan.info["lower_bound"], "gap": plan.info["gap"],
+           "status": plan.info["optimal_status"], "solve s": round(solve_s, 1),
+           "plans replayed": plan.info["plans_replayed"]}
+    for name, options in STRATEGIES:
+        overhead, why = strategy_overhead(graph, name, options, budget, limit_s, structure)
+        row[label(name, options)] = overhead
+        row[label(name, options) + " note"] = why
+    return row
+
+
+def write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_suffix(path.suffix + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def budgets(graph) -> tuple[int, int, list[int]]:
+    least = strategies.simulate(graph, strategies.solve("approx_dp", graph)).peak_bytes
+    vanilla = strategies.simulate(graph, strategies.solve("vanilla", graph)).peak_bytes
+    return least, vanilla, [int(least + f * (vanilla - least)) for f in FRACTIONS]
+
+
+def run(net_names, out: Path, limit_s: float) -> pd.DataFrame:
+    cells = out.parent / (out.name + ".cells")
+    cells.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for net in tqdm(net_names, desc="nets"):
+        graph = None
+        for k, fraction in enumerate(FRACTIONS):
+            path = cells / f"{net}_{k}.json"
+            if path.exists():
+                rows.append(json.loads(path.read_text()))
+                continue
+            if graph is None:
+                built = traced_net(net)
+                graph, structure = built.traced.graph, nets.structure(net, built.model)
+                least, vanilla, budget_list = budgets(graph)
+            row = {"net": net, "batch": nets.spec(net).batch_size, "nodes": len(graph), "of the way": fraction,
+                   "budget GB": budget_list[k] / GB, "vanilla GB": vanilla / GB,
+                   **bench_cell(graph, budget_list[k], limit_s, structure)}
+            write_atomically(path, json.dumps(row))
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def ratios(table: pd.DataFrame) -> pd.DataFrame:
+    """Each strategy's overhead over the best plan found (1.00 where both are zero), or why there is none."""
+    out = table[["net", "batch", "nodes", "of the way", "budget GB", "optimum", "lower bound", "gap", "status",
+                 "solve s"]].copy()
+    for name, options in STRATEGIES:
+        column = label(name, options)
+
+        def ratio(row, column=column):
+            value = row[column]
+            if value is None or (isinstance(value, float) and math.isnan(value)):
+                return row[column + " note"]
+            if row["optimum"] == 0:
+                return "1.00" if value == 0 else "inf"
+            return f"{value / row['optimum']:.2f}"
+        out[column] = table.apply(ratio, axis=1)
+    out["gap"] = [f"{100 * g:.0f}%" for g in out["gap"]]
+    return out
+
+
+def goals(table: pd.DataFrame) -> str:
+    """The goals line: approx_dp tc's worst ratio, to the best plan and to the bound, and what was proven."""
+    column = label("approx_dp", {"mode": "tc"})
+    proven = table[table.status == "optimal"]
+    cells = table[table[column].notna() & (table.optimum > 0)]
+    parts = [f"Proven optimal (gap 0) in {len(proven)} of {len(table)} cells "
+             f"({', '.join(sorted(set(proven.net))) or 'none'})."]
+    if not cells.empty:
+        worst = cells.loc[(cells[column] / cells.optimum).idxmax()]
+        parts.append(f"approx_dp (tc)'s worst ratio to the best plan found: {worst[column] / worst.optimum:.2f} "
+                     f"({worst.net}, {worst['of the way']:.0%} of the way to vanilla).")
+        bounded = cells[cells["lower bound"] > 0]
+        if not bounded.empty:
+            loose = bounded.loc[(bounded[column] / bounded["lower bound"]).idxmax()]
+            parts.append(f"To the proven lower bound it is at most {loose[column] / loose['lower bound']:.2f} "
+                         f"({loose.net}, {loose['of the way']:.0%}): the distance the table can vouch for.")
+    return "Goals: " + " ".join(parts)
+
+
+def figure(table: pd.DataFrame, net: str, path: Path, caption: str) -> None:
+    cells = table[table.net == net].sort_values("budget GB")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    x = cells["budget GB"]
+    ax.fill_between(x, cells["lower bound"], cells.optimum, color="0.85", label="between the bound and the best plan")
+    ax.plot(x, cells.optimum, "k-", linewidth=2.5, label="optimal (best plan found)")
+    ax.plot(x, cells["lower bound"], "k--", linewidth=1, label="proven lower bound")
+    for name, options in STRATEGIES:
+        column = label(name, options)
+        values = pd.to_numeric(cells[column], errors="coerce")
+        if values.notna().any():
+            ax.plot(x, values, "o-", markersize=4, linewidth=1, label=column)
+    save_figure(fig, caption, path, ax, ("budget, GB (graph values; the replay's peak)",
+                                         "predicted recomputation overhead (cost units)"),
+                f"{net}: overhead against budget, every strategy beside the optimum")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m harness.bench.optimality", description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="output path without suffix")
+    parser.add_argument("--nets", default=",".join(NETS), help="comma-separated zoo nets")
+    parser.add_argument("--time-limit", type=float, default=150.0,
+                        help="seconds for each optimal search, and for exact_dp's and the ILP's solves")
+    args = parser.parse_args(argv)
+    if not args.time_limit > 0:
+        parser.error(f"--time-limit must be positive, got {args.time_limit}")
+    names = [n for n in args.nets.split(",") if n]
+    unknown = [n for n in names if n not in nets.available()]
+    if unknown:
+        parser.error(f"unknown net {', '.join(unknown)}; valid: {', '.join(nets.available())}")
+    table = run(names, args.out, args.time_limit)
+    table.to_csv(args.out.with_suffix(".csv"), index=False)
+    command = command_of("optimality", argv)
+    header = (f"{made_by(command)}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores. Overheads "
+              "are predicted by the replay, in cost units; each strategy's is a ratio to the best plan `optimal` "
+              f"found in {args.time_limit:g} s (the optimum where the status is `optimal`, gap 0); budgets count the "
+              "graph's values, as every strategy's solver does.\n\n")
+    write_atomically(args.out.with_suffix(".md"), header + ratios(table).to_markdown(index=False, floatfmt=".3f")
+                     + "\n\n" + goals(table) + "\n")
+    for net in dict.fromkeys(table.net):
+        figure(table, net, args.out.parent / f"{args.out.name}_{net}.png", made_by(command))
+
+
+if __name__ == "__main__":
+    main()

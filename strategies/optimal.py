@@ -1,0 +1,312 @@
+"""``optimal``: the least recomputation at a budget over every plan the executor runs, proven with constraint
+programming (OR-Tools' CP-SAT, the ``cp`` extra) and judged by the replay, as every strategy is.
+
+NOTE [a proven optimum in the replay's accounting]
+The space is the executor's: a chain of lower sets (node ``v`` in stage ``s_v``, ``s_u <= s_v`` along each edge)
+and a kept set (``k_v``; a value read by a later stage is kept). The memory is the replay's (``simulate``), the
+one every budget in this project means. The replay is a program, not a formula, so the model holds a
+relaxation of it, quantities the replay never comes in under:
+- cost: a discarded value that a backward which runs reads (the loss's too), or whose layer saved an extra,
+  is recomputed, and so is each discarded value it is made from (they share its stage);
+- memory, at moments every plan's step passes through, besides the loss's value and seed:
+  - before each layer's backward, whatever the stages: the kept values its backward or an ancestor's still
+    reads, those layers' kept extras, the parameter gradients its descendants' backwards made (held to the
+    step's end), and the gradients they made, in buffers of their own, for it and its ancestors;
+  - as stage ``i``'s backward begins: the kept values a backward of stage ``i`` or earlier reads, the kept
+    extras of those stages, and the parameter gradients of later stages;
+  - once stage ``i``'s recomputation is done (all at once, by the first backward that needs one: NOTE [what a
+    recomputation makes] in ``replay.py``): the stage's discarded values a backward reads, the kept values a
+    backward of an earlier stage reads or one of this stage's still to come, the extras still wanted, and the
+    parameter gradients of later stages and of the stage's layers whose backward came first (where each stage
+    runs in node order: no state is shared between layers, ``replay.forward_order``).
+No plan costs less than the relaxed cost of the cheapest plan whose relaxed memory fits, so that cost is a lower
+bound. Each plan the solver proposes is then replayed and cut off (its exact stages and kept set; stages are
+numbered 0, 1, ... without a gap and a value nothing reads is kept, so a plan has one assignment); one that fits
+and costs less becomes the best plan, and the search goes on for a cheaper one. It ends proven
+(``optimal_status=optimal``, gap 0) when no plan the model still holds is cheaper than the best; at the time limit
+it returns the best plan, the least cost the solver proved no plan beats (``lower_bound``) and the gap. The search
+starts from ``approx_dp``'s plan at the budget, so it is never worse than that. Stages are numbered up to ``n - 1``
+(a plan has at most one per node): a bound over fewer stages would not bound every plan. Tests hold the relaxation
+below the replay on the zoo nets' plans, and the optimum equal to brute force over every plan of small graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from strategies import approx_dp
+from strategies.graph import Graph, bits
+from strategies.graph import members as members_of
+from strategies.plan import InfeasibleBudget, Plan, SolverTimeout
+from strategies.simulate import simulate
+
+BUDGET_LIVENESS = True
+log = logging.getLogger(__name__)
+INSTALL = "pip install ortools (or the project's extra: pip install -e '.[cp]')"
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """Options of ``optimal``."""
+
+    time_limit_s: float = 600.0  # for the whole search, every solve and replay in it
+    workers: int = 1  # CP-SAT's search workers; one keeps the answer the same from run to run
+
+
+def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = None) -> Plan:
+    options = options or Options()
+    if not options.time_limit_s > 0:
+        raise ValueError(f"optimal: time_limit_s must be positive, got {options.time_limit_s}")
+    try:
+        from ortools.sat.python import cp_model
+    except ImportError as error:
+        raise ImportError(f"optimal needs OR-Tools' CP-SAT: {INSTALL}") from error
+    start = time.perf_counter()
+    best, best_cost = None, math.inf
+    try:
+        seed = approx_dp.solve(graph, budget_bytes)
+    except InfeasibleBudget as error:
+        least_known = error.min_feasible_bytes
+    else:
+        prediction = simulate(graph, seed)
+        if budget_bytes is None:
+            budget_bytes = prediction.peak_bytes
+        if prediction.peak_bytes <= budget_bytes:
+            best, best_cost = seed, prediction.overhead_cost
+        least_known = None
+    model = _Relaxation(cp_model, graph, budget_bytes)
+    if best is not None:
+        model.hint(best)
+    status, cuts = "optimal", 0
+    while True:
+        left = options.time_limit_s - (time.perf_counter() - start)
+        found = model.cheapest(best_cost, left, options.workers) if left > 0 else "timeout"
+        if found is None:  # no plan the model holds is cheaper than the best: proven
+            break
+        if found == "timeout":
+            status = "timeout"
+            break
+        plan = Plan.from_stages(graph, found[0], kept=found[1], strategy="optimal", budget_bytes=budget_bytes)
+        prediction = simulate(graph, plan)
+        log.debug("optimal: proposed cost %g (relaxed %g), replay %d bytes of %d, %.1f s", prediction.overhead_cost,
+                  model.proposed, prediction.peak_bytes, budget_bytes, time.perf_counter() - start)
+        if prediction.peak_bytes <= budget_bytes and prediction.overhead_cost < best_cost:
+            best, best_cost = plan, prediction.overhead_cost
+        model.cut(plan)
+        cuts += 1
+    bound = best_cost if status == "optimal" else min(best_cost, model.bound)
+    if best is None:
+        if status == "timeout":
+            raise SolverTimeout(f"optimal: no plan fits {budget_bytes} bytes within {options.time_limit_s:g} s "
+                                f"({cuts} proposed plans replayed over it); raise time_limit_s")
+        known = f"optimal (approx_dp's least plan fits {least_known} bytes)" if least_known else "optimal"
+        raise InfeasibleBudget(budget_bytes, None, known)  # the least over every plan is not searched for
+    gap = 0.0 if status == "optimal" else (best_cost - bound) / best_cost if best_cost > 0 else 0.0
+    plan = Plan(strategy="optimal", stages=best.stages, kept=best.kept, budget_bytes=budget_bytes,
+                info={"optimal_status": status, "lower_bound": bound, "gap": gap, "plans_replayed": cuts})
+    return plan
+
+
+class _Relaxation:
+    """The CP-SAT model of NOTE [a proven optimum in the replay's accounting]; ``cut`` removes one plan."""
+
+    def __init__(self, cp_model, graph: Graph, budget_bytes: int):
+        self.cp_model, self.graph = cp_model, graph
+        n = len(graph)
+        self.K = K = n
+        model = self.model = cp_model.CpModel()
+        clause = self._clause
+        # ge[v][i]: s_v >= i, the order encoding of each node's stage (ge[v][0] is True, ge[v][K] False).
+        self.ge = ge = [[True] + [model.NewBoolVar("") for _ in range(1, K)] + [False] for _ in range(n)]
+        self.kept = kept = [model.NewBoolVar("") for _ in range(n)]
+        for v in range(n):
+            for i in range(2, K):
+                clause([_not(ge[v][i]), ge[v][i - 1]])
+        for u, v in graph.edges:
+            for i in range(1, K):
+                clause([_not(ge[u][i]), ge[v][i]])  # s_u <= s_v
+                clause([_not(ge[v][i]), ge[u][i], kept[u]])  # s_v > s_u only if u is kept
+        # No gap between stages: where a node is at stage i or later, some node is at stage i - 1.
+        for i in range(1, K):
+            later = model.NewBoolVar("")
+            for v in range(n):
+                clause([_not(ge[v][i]), later])
+            model.Add(sum(ge[v][i - 1] - ge[v][i] for v in range(n)) >= 1).OnlyEnforceIf(later)
+
+        readers = [[] for _ in range(n)]  # the backwards that run and read each value
+        for w in range(n):
+            if graph.reached[w]:
+                for u in graph.backward_reads[w]:
+                    readers[u].append(w)
+        read = [u for u in range(n) if (readers[u] or u in graph.loss_reads) and graph.mem_bytes[u]]
+        wanted = set(read) | {u for u in range(n) if graph.reached[u] and graph.saves_more(u)}
+        recomputed = [model.NewBoolVar("") for _ in range(n)]
+        for u in wanted:
+            clause([recomputed[u], kept[u]])
+        for p, u in graph.edges:
+            clause([recomputed[p], _not(recomputed[u]), kept[p]])  # made from a discarded input
+        self.scale = _cost_scale(graph.cost)
+        self.cost = sum(math.floor(c * self.scale) * r for c, r in zip(graph.cost, recomputed) if c)
+        model.Minimize(self.cost)
+
+        size, held, extra = graph.mem_bytes, graph.loss_held_bytes, graph.saved_extra_bytes
+        params = [(v, graph.param_bytes[v]) for v in range(n) if graph.reached[v] and graph.param_bytes[v]]
+        extras = [u for u in range(n) if graph.reached[u] and extra[u]]
+        # calls[w]: w's backward recomputes its stage (it reads a discarded value, or its layer's extras are).
+        users = [name for names in graph.shared_state for name in names]
+        in_order = len(users) == len(set(users))  # each stage runs in node order (replay.forward_order)
+        calls = [model.NewBoolVar("") for _ in range(n)]
+        for w in range(n):
+            reads = list(graph.backward_reads[w]) if graph.reached[w] else []
+            if graph.reached[w] and graph.saves_more(w):
+                reads.append(w)
+            for u in reads:
+                clause([calls[w], kept[u]])
+            clause([_not(calls[w])] + [_not(kept[u]) for u in reads])  # and only then
+        for u in members_of(nothing_reads(graph)):
+            model.Add(kept[u] == 1)  # kept or not, the same step
+        own_gradient = [{u: graph.reached[u] and u not in graph.preds_without_grad[x]
+                         and not any(u in shared for shared, _ in graph.grad_shares[x])
+                         for u in graph.preds[x]} for x in range(n)]
+        # Before each layer's backward, whatever the stages: the kept values a backward of it or of an ancestor
+        # still reads, the kept extras of those layers, and the parameter gradients its descendants made.
+        for v in range(n):
+            if not graph.reached[v]:
+                continue
+            before = graph.ancestor_mask[v]  # v and its ancestors
+            live = [size[u] * kept[u] for u in read if any(before >> w & 1 for w in readers[u])]
+            live += [extra[u] * kept[u] for u in extras if before >> u & 1]
+            ran = [x for x in range(v + 1, n) if graph.ancestor_mask[x] >> v & 1 and graph.reached[x]]
+            made = sum(graph.param_bytes[x] for x in ran)
+            # The gradients those backwards made in buffers of their own for v and its ancestors, whose own
+            # backward is still to come (a buffer handed on as another value's gradient is counted once).
+            made += sum(size[u] for u in members_of(before) if any(own_gradient[x].get(u) for x in ran))
+            self._at_most(sum(live) + made + held, budget_bytes)
+        earlier = {}  # kept value -> it is kept and a backward of an earlier stage reads it
+        for i in range(K):
+            grads = sum(p * ge[v][i + 1] for v, p in params)  # parameter gradients of later stages
+            # to_come[w]: a node of stage i from w on recomputes the stage, so the backward of a node of stage i
+            # before w comes after that recomputation.
+            to_come = [False] * (n + 1)
+            for w in reversed(range(n)) if in_order else ():
+                to_come[w], here = model.NewBoolVar(""), model.NewBoolVar("")
+                clause([to_come[w], _not(to_come[w + 1])])
+                clause([to_come[w], _not(ge[w][i]), ge[w][i + 1], _not(calls[w])])
+                clause([_not(to_come[w]), to_come[w + 1], here])  # and only then
+                for literal in (ge[w][i], _not(ge[w][i + 1]), calls[w]):
+                    clause([_not(here), literal])
+            made = []  # the stage's discarded values a backward reads
+            for u in read:
+                d = model.NewBoolVar("")
+                clause([d, kept[u], _not(ge[u][i]), ge[u][i + 1]])
+                made.append(size[u] * d)
+            held_kept = []  # kept values a backward of an earlier stage, or of this one still to come, reads
+            for u in read:
+                if not readers[u]:
+                    continue
+                d = model.NewBoolVar("")
+                if u in earlier:
+                    clause([d, _not(earlier[u])])
+                for w in readers[u] if in_order else ():
+                    clause([d, _not(kept[u]), _not(ge[w][i]), ge[w][i + 1], _not(to_come[w + 1])])
+                held_kept.append(size[u] * d)
+            wanted_extras = []  # extras of kept layers of earlier stages, and of this one's still to come
+            for u in extras:
+                d = model.NewBoolVar("")
+                clause([d, _not(kept[u]), ge[u][i]])
+                if in_order:
+                    clause([d, _not(ge[u][i]), ge[u][i + 1], _not(to_come[u + 1])])
+                wanted_extras.append(extra[u] * d)
+            done = []  # parameter gradients of the stage's layers whose backward came before its recomputation
+            for v, p in params if in_order else ():
+                d = model.NewBoolVar("")
+                clause([d, _not(ge[v][i]), ge[v][i + 1], to_come[v]])
+                done.append(p * d)
+            self._at_most(sum(made) + sum(held_kept) + sum(wanted_extras) + sum(done) + grads + held, budget_bytes)
+            now, kept_extras = {}, []  # kept values a backward of stage i or earlier reads, and kept extras
+            for u in read:
+                if readers[u]:
+                    now[u] = y = model.NewBoolVar("")
+                    for w in readers[u]:
+                        clause([y, _not(kept[u]), ge[w][i + 1]])
+            for u in extras:
+                d = model.NewBoolVar("")
+                clause([d, _not(kept[u]), ge[u][i + 1]])
+                kept_extras.append(extra[u] * d)
+            self._at_most(sum(size[u] * y for u, y in now.items()) + sum(kept_extras) + grads + held, budget_bytes)
+            earlier = now
+        self.bound = 0.0
+
+    def _clause(self, literals) -> None:
+        """At least one of ``literals`` (CP-SAT literals, or Python bools for the fixed ends of the encoding)."""
+        if any(x is True for x in literals):
+            return
+        self.model.AddBoolOr([x for x in literals if x is not False])
+
+    def _at_most(self, bytes_live, budget_bytes: int) -> None:
+        if not isinstance(bytes_live, int):
+            self.model.Add(bytes_live <= budget_bytes)
+        elif bytes_live > budget_bytes:
+            self.model.AddBoolOr([])  # nothing fits
+
+    def _assignment(self, plan: Plan) -> list[tuple[object, bool]]:
+        """``plan`` as the values of the model's variables."""
+        stage_of, out = plan.stage_of(len(self.graph)), []
+        for v, s in enumerate(stage_of):
+            out += [(self.ge[v][i], i <= s) for i in range(1, self.K)]
+            out.append((self.kept[v], bool(plan.kept >> v & 1)))
+        return out
+
+    def hint(self, plan: Plan) -> None:
+        for var, value in self._assignment(plan):
+            self.model.AddHint(var, value)
+
+    def cut(self, plan: Plan) -> None:
+        """Remove ``plan`` from the model (no other plan has its assignment)."""
+        self.model.AddBoolOr([var.Not() if value else var for var, value in self._assignment(plan)])
+
+    def cheapest(self, below: float, time_limit_s: float, workers: int):
+        """The stages and kept set of a plan of least relaxed cost among those the model holds whose cost may be
+        under ``below`` (None: there is none; "timeout": none found in the time, ``bound`` then holds what the
+        solver proved)."""
+        cp_model = self.cp_model
+        if math.isfinite(below):  # floor(x * scale) < ceil(below * scale) for every cost x < below
+            self.model.Add(self.cost <= math.ceil(below * self.scale) - 1)
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = time_limit_s
+        solver.parameters.num_workers = workers
+        status = solver.Solve(self.model)
+        if status == cp_model.INFEASIBLE:
+            return None
+        self.bound = max(self.bound, solver.BestObjectiveBound() / self.scale)
+        self.proposed = solver.ObjectiveValue() / self.scale
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return "timeout"
+        n = len(self.graph)
+        stage = [sum(solver.BooleanValue(self.ge[v][i]) for i in range(1, self.K)) for v in range(n)]
+        stages = [bits(v for v in range(n) if stage[v] == s) for s in range(max(stage) + 1)]
+        kept = bits(v for v in range(n) if solver.BooleanValue(self.kept[v]))
+        return stages, kept
+
+
+def nothing_reads(graph: Graph) -> int:
+    """The values no layer, no backward and not the loss reads, and whose layers saved nothing else: a plan
+    that keeps one runs the same step as one that does not; the model keeps them."""
+    read = {u for w in range(len(graph)) if graph.reached[w] for u in graph.backward_reads[w]}
+    return bits(u for u in range(len(graph)) if not graph.succs[u] and u not in read and u not in graph.loss_reads
+                and not (graph.reached[u] and graph.saves_more(u)))
+
+
+def _not(literal):
+    return not literal if isinstance(literal, bool) else literal.Not()
+
+
+def _cost_scale(costs) -> float:
+    """Costs as CP-SAT's integers: exactly where they are whole, else rounded down at a fine scale (the bound
+    stays a bound)."""
+    if all(float(c).is_integer() for c in costs):
+        return 1.0
+    return 2.0 ** 30 / max(max(costs), 1e-12) / max(len(costs), 1)

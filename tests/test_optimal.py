@@ -1,0 +1,139 @@
+"""``optimal``: the least recomputation at a budget over the executor's plans, proven against brute force, its
+relaxation never above the replay, and its plans exact and within budget when run."""
+
+import dataclasses
+import itertools
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import strategies
+from strategies import Graph, InfeasibleBudget, Plan, simulate, solve
+from strategies.lower_sets import all_lower_sets
+from test_dp import small_dags
+
+cp_model = pytest.importorskip("ortools.sat.python.cp_model")
+from strategies.optimal import _Relaxation, nothing_reads  # noqa: E402
+
+
+def every_plan(graph):
+    """Every plan the executor runs: each chain of lower sets, with each kept set that keeps what a later
+    stage reads."""
+    family = all_lower_sets(graph)
+
+    def chains(lower, stages):
+        if lower == graph.all_nodes:
+            yield stages
+        for bigger in family:
+            if bigger != lower and bigger & lower == lower:
+                yield from chains(bigger, stages + [bigger & ~lower])
+
+    for stages in chains(0, []):
+        stage_of = Plan.from_stages(graph, stages, kept=graph.all_nodes).stage_of(len(graph))
+        must = {u for u, v in graph.edges if stage_of[u] != stage_of[v]}
+        free = [v for v in range(len(graph)) if v not in must]
+        for r in range(len(free) + 1):
+            for extra in itertools.combinations(free, r):
+                yield Plan.from_stages(graph, stages, kept=sum(1 << v for v in must | set(extra)))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_dags(max_nodes=5), st.data())
+def test_the_optimum_is_brute_force_over_every_plan_and_never_above_exact_dp(graph, data):
+    predictions = [simulate(graph, plan) for plan in every_plan(graph)]
+    budget = data.draw(st.sampled_from(sorted({p.peak_bytes for p in predictions})))
+    least = min(p.overhead_cost for p in predictions if p.peak_bytes <= budget)
+    plan = solve("optimal", graph, budget, time_limit_s=60)
+    prediction = simulate(graph, plan)
+    assert plan.info["optimal_status"] == "optimal" and plan.info["gap"] == 0
+    assert prediction.peak_bytes <= budget
+    assert prediction.overhead_cost == least == plan.info["lower_bound"]
+    try:
+        exact = solve("exact_dp", graph, budget)
+    except InfeasibleBudget:
+        return
+    assert prediction.overhead_cost <= simulate(graph, exact).overhead_cost
+
+
+def fixed(graph, plan, budget):
+    """The relaxation with ``plan``'s stages and kept set: (whether it fits ``budget``, its least cost)."""
+    model = _Relaxation(cp_model, graph, budget)
+    for var, value in model._assignment(plan):
+        model.model.Add(var == int(value))
+    solver = cp_model.CpSolver()
+    status = solver.Solve(model.model)
+    fits = status == cp_model.OPTIMAL
+    return fits, solver.ObjectiveValue() / model.scale if fits else None
+
+
+@pytest.mark.parametrize("net", ["vgg19", "unet", "resnet50"])
+def test_the_relaxation_is_never_above_the_replay_on_the_zoo(net):
+    from harness.run import traced_net
+    graph = traced_net(net).traced.graph
+    least, vanilla = (simulate(graph, solve(name, graph)).peak_bytes for name in ("approx_dp", "vanilla"))
+    plans = [solve("vanilla", graph), solve("chen_sqrt", graph), solve("chen_greedy", graph)]
+    plans += [solve("approx_dp", graph, least + (vanilla - least) * k // 4, mode=mode)
+              for k in (0, 2) for mode in ("tc", "mc")]
+    unread = nothing_reads(graph)
+    for plan in plans:
+        plan = dataclasses.replace(plan, kept=plan.kept | unread)  # the model keeps what nothing reads
+        prediction = simulate(graph, plan)
+        fits, cost = fixed(graph, plan, prediction.peak_bytes)
+        assert fits, f"{plan.strategy}: the relaxation counts more than the replay's peak"
+        assert cost == prediction.overhead_cost, plan.strategy
+
+
+def test_vgg19_s_least_budget_is_proven_optimal_at_approx_dp_s_plan():
+    from harness.run import traced_net
+    graph = traced_net("vgg19").traced.graph
+    approx = solve("approx_dp", graph)
+    plan = solve("optimal", graph, time_limit_s=60)
+    assert plan.budget_bytes == simulate(graph, approx).peak_bytes
+    assert plan.info["optimal_status"] == "optimal" and plan.info["gap"] == 0
+    assert simulate(graph, plan).overhead_cost == simulate(graph, approx).overhead_cost
+
+
+def test_the_optimal_plan_runs_exactly_and_within_its_budget(tmp_path):
+    from harness.run import fixed_bytes, run_cell
+    from harness.trace import trace
+    from test_executor import SkipToOutput, assert_step_matches, reference_step
+
+    torch.manual_seed(0)
+    model = SkipToOutput().double()  # BatchNorm and dropout: state and randomness replayed
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    loss_fn = torch.sum
+    traced = trace(model, x, loss_fn=loss_fn)
+    graph = traced.graph
+    least, vanilla = (simulate(graph, solve(name, graph)).peak_bytes for name in ("approx_dp", "vanilla"))
+    plan = solve("optimal", graph, (least + vanilla) // 2, time_limit_s=10)
+    assert plan.recomputed and simulate(graph, plan).peak_bytes <= plan.budget_bytes
+    reference, reference_loss = reference_step(model, x, loss_fn)
+    assert_step_matches(model, x, loss_fn, reference, reference_loss, plan, traced, {})
+
+    from harness import nets
+    meta_model, meta_x, meta_loss = nets.build("vgg19", 2, 32, device="meta")
+    graph = trace(meta_model, meta_x, loss_fn=meta_loss).graph
+    least, vanilla = (simulate(graph, solve(name, graph)).peak_bytes for name in ("approx_dp", "vanilla"))
+    budget = fixed_bytes(meta_model, meta_x) + (least + vanilla) // 2
+    row = run_cell("vgg19", "optimal", batch_size=2, image_size=32, budget=budget, results_dir=tmp_path,
+                   options={"time_limit_s": 10})
+    assert row["status"] == "ok", row.get("error")
+    assert row["plan_optimal_status"] in ("optimal", "timeout")
+    assert row["measured_peak_bytes"] == row["predicted_peak_bytes"] <= budget
+
+
+def test_bad_input(monkeypatch):
+    graph = Graph(mem_bytes=[4, 4, 4], cost=[1, 1, 1], edges=[(0, 1), (1, 2)])
+    with pytest.raises(ValueError, match="time_limit_s must be positive"):
+        solve("optimal", graph, time_limit_s=0)
+    least = min(simulate(graph, plan).peak_bytes for plan in every_plan(graph))  # below approx_dp's least
+    assert simulate(graph, solve("optimal", graph, least)).peak_bytes == least
+    with pytest.raises(InfeasibleBudget, match="optimal: no plan fits"):
+        solve("optimal", graph, least - 1)
+    monkeypatch.setitem(sys.modules, "ortools.sat.python", None)
+    with pytest.raises(ImportError, match=r"pip install ortools"):
+        solve("optimal", graph)
+    assert "optimal" in strategies.available()
