@@ -288,6 +288,8 @@ class _Relaxation:
         solver.parameters.max_time_in_seconds = time_limit_s
         solver.parameters.num_workers = workers
         status = solver.Solve(self.model)
+        if status == cp_model.MODEL_INVALID:
+            raise RuntimeError(f"optimal: CP-SAT refused the model: {self.model.Validate()}")
         if status == cp_model.INFEASIBLE:
             return None
         self.bound = max(self.bound, solver.BestObjectiveBound() / self.scale)

@@ -3,11 +3,12 @@
 For each net (the zoo's at Kusumoto et al.'s sizes, GPT-2 and ViT-B/16) and four budgets (``approx_dp`` tc's
 minimal budget, and 25%, 50% and 75% of the way from it to vanilla's peak; all by the replay, the graph's
 values only): the least overhead ``optimal`` finds within ``--time-limit`` seconds, the lower bound it proves
-and the gap (NOTE [a proven optimum in the replay's accounting] in ``strategies/optimal.py``), and each
-strategy's predicted overhead at that budget as a ratio to the best plan found ("over": its plan does not fit
-the budget). Writes ``OUT_STEM.md``, ``OUT_STEM.csv`` and one PNG per net (overhead against budget, the optimum's
-curve and bound beneath the others); each cell is kept in ``OUT_STEM.cells/`` as it ends, and a run resumes from
-them.
+(NOTE [a proven optimum in the replay's accounting] in ``strategies/optimal.py``), the best plan the executor
+runs within the budget (``optimal``'s, or a DP's or Chen's where its search ended first) and the gap between the
+two, and each strategy's predicted overhead at that budget as a ratio to that plan ("over": its plan does not
+fit the budget). Writes ``OUT_STEM.md``, ``OUT_STEM.csv`` and one PNG per net (overhead against budget, the
+best plan and the bound beneath the others); each cell is kept in ``OUT_STEM.cells/`` as it ends, and a run
+resumes from them.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def goals(table: pd.DataFrame) -> str:
 
 def figure(table: pd.DataFrame, net: str, path: Path, caption: str) -> None:
     cells = table[table.net == net].sort_values("budget GB")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9.5, 4.5))
     x = cells["budget GB"]
     ax.fill_between(x, cells["lower bound"], cells.best, color="0.85", label="between the bound and the best plan")
     ax.plot(x, cells.best, "k-", linewidth=2.5, label="best plan known (optimal where proven)")
@@ -176,9 +177,12 @@ def figure(table: pd.DataFrame, net: str, path: Path, caption: str) -> None:
         values = pd.to_numeric(cells[column], errors="coerce")
         if values.notna().any():
             ax.plot(x, values, "o-", markersize=4, linewidth=1, label=column)
-    save_figure(fig, caption, path, ax, ("budget, GB (graph values; the replay's peak)",
-                                         "predicted recomputation overhead (cost units)"),
-                f"{net}: overhead against budget, every strategy beside the optimum")
+    ax.set_xlabel("budget, GB (graph values; the replay's peak)")
+    ax.set_ylabel("predicted recomputation overhead (cost units)")
+    ax.set_title(f"{net}: overhead against budget, every strategy beside the best plan", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: lines overlap
+    save_figure(fig, caption, path)
 
 
 def main(argv=None) -> None:
