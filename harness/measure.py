@@ -55,6 +55,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._pytree import tree_leaves
 
+from strategies import cycle_collector_off
+
 DEVICES = ("meta", "cpu", "cuda")
 DEVICE_PARTS = ("params", "grads", "activations")
 _placement = threading.local()
@@ -253,13 +255,8 @@ def collected_then_held_off():
     """Python's cycle collector run now and held off until the block ends: a timed block is timed without a
     collection falling in it (``harness.results.TIMING_PROTOCOL``)."""
     gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with cycle_collector_off():
         yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _wall_ms(step) -> float:

@@ -41,7 +41,7 @@ _MODULES = {
 }
 
 __all__ = ["Action", "Graph", "Inapplicable", "InfeasibleBudget", "Plan", "Prediction", "SolverTimeout",
-           "available", "bits", "members", "module", "simulate", "solve"]
+           "available", "bits", "cycle_collector_off", "members", "module", "simulate", "solve"]
 
 
 def available() -> list[str]:
@@ -68,15 +68,16 @@ def solve(name: str, graph: Graph, budget_bytes: int | None = None, **options) -
     if budget_bytes is not None and budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
     start = time.perf_counter()
-    with _no_cycle_collection():
+    with cycle_collector_off():
         plan = strategy.solve(graph, budget_bytes, options=strategy.Options(**options))
     return dataclasses.replace(plan, solve_time_s=time.perf_counter() - start)
 
 
 @contextlib.contextmanager
-def _no_cycle_collection():
-    """A solve makes many small objects and no cycles; Python's cycle collector, set off by their number,
-    would walk every object the process holds (a traced model's) again and again: off while it runs."""
+def cycle_collector_off():
+    """Python's cycle collector off while the block runs. A solve makes many small objects and no cycles; the
+    collector, set off by their number, would walk every object the process holds (a traced model's) again and
+    again. ``harness.measure`` holds it off over a timed step too."""
     enabled = gc.isenabled()
     gc.disable()
     try:

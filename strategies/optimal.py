@@ -306,7 +306,7 @@ class _Relaxation:
 def nothing_reads(graph: Graph) -> int:
     """The values no layer, no backward and not the loss reads, and whose layers saved nothing else: a plan
     that keeps one runs the same step as one that does not; the model keeps them."""
-    read = {u for w in range(len(graph)) if graph.reached[w] for u in graph.backward_reads[w]}
+    read = graph.read_by_backward()
     return bits(u for u in range(len(graph)) if not graph.succs[u] and u not in read and u not in graph.loss_reads
                 and not (graph.reached[u] and graph.saves_more(u)))
 

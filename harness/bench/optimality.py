@@ -14,7 +14,6 @@ resumes from them.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -27,6 +26,7 @@ from tqdm import tqdm
 import strategies
 from harness import nets, peers
 from harness.bench.common import command_of, made_by, plt, save_figure
+from harness.results import label, read_row, write_row
 from harness.run import traced_net
 
 GB = 1e9
@@ -35,10 +35,6 @@ NETS = ("unet", "vgg19", "resnet50", "googlenet", "pspnet", "resnet152", "densen
 STRATEGIES = [("approx_dp", {"mode": "tc"}), ("approx_dp", {"mode": "mc"}), ("exact_dp", {"mode": "tc"}),
               ("exact_dp", {"mode": "mc"}), ("chen_greedy", {}), ("chen_sqrt", {}), ("torch_checkpoint_blocks", {}),
               ("torch_checkpoint_sequential", {}), ("ilp_optimal", {})]
-
-
-def label(name: str, options: dict) -> str:
-    return name + (f" ({options['mode']})" if "mode" in options else "")
 
 
 def strategy_overhead(graph, name: str, options: dict, budget: int, limit_s: float,
@@ -76,12 +72,6 @@ def bench_cell(graph, budget: int, limit_s: float, structure: dict) -> dict:
     return row
 
 
-def write_atomically(path: Path, text: str) -> None:
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
-
-
 def budgets(graph) -> tuple[int, int, list[int]]:
     least = strategies.simulate(graph, strategies.solve("approx_dp", graph)).peak_bytes
     vanilla = strategies.simulate(graph, strategies.solve("vanilla", graph)).peak_bytes
@@ -97,7 +87,7 @@ def run(net_names, out: Path, limit_s: float) -> pd.DataFrame:
         for k, fraction in enumerate(FRACTIONS):
             path = cells / f"{net}_{k}.json"
             if path.exists():
-                rows.append(json.loads(path.read_text()))
+                rows.append(read_row(path))
                 continue
             if graph is None:
                 built = traced_net(net)
@@ -106,7 +96,7 @@ def run(net_names, out: Path, limit_s: float) -> pd.DataFrame:
             row = {"net": net, "batch": nets.spec(net).batch_size, "nodes": len(graph), "of the way": fraction,
                    "budget GB": budget_list[k] / GB, "vanilla GB": vanilla / GB,
                    **bench_cell(graph, budget_list[k], limit_s, structure)}
-            write_atomically(path, json.dumps(row))
+            write_row(row, cells, path.name)
             rows.append(row)
     return pd.DataFrame(rows)
 
@@ -209,7 +199,7 @@ def main(argv=None) -> None:
               "`best`. The ILP's schedules may compute a value more than twice and the PyTorch peers checkpoint "
               "blocks, plans outside that space: their ratios may be under 1. Budgets count the graph's values, as "
               "every strategy's solver does.\n\n")
-    write_atomically(args.out.with_suffix(".md"), header + ratios(table).to_markdown(index=False, floatfmt=".3f")
+    args.out.with_suffix(".md").write_text(header + ratios(table).to_markdown(index=False, floatfmt=".3f")
                      + "\n\n" + goals(table) + "\n")
     for net in dict.fromkeys(table.net):
         figure(table, net, args.out.parent / f"{args.out.name}_{net}.png", made_by(command))
