@@ -167,6 +167,7 @@ class _Saved:
     """What a saved-tensor hook keeps: the tensor, or for a recomputed or swapped value only its place."""
 
     tensor: torch.Tensor | None
+    rank: int  # among what its call saved, parameters too: a rerun's saves are ranked alike
     group: int = -1
     geometry: tuple = ()  # (rank of the storage in its IR node, size, stride, offset, dtype)
     extra: tuple[str, int] | None = None  # (fx node, rank among what it saved): not a node's value
@@ -220,7 +221,7 @@ class _Step:
                 self.constants[node.name] = next(args, node.args[0] if node.args else None)
                 continue
             if hooked:
-                self.store.pending.clear()  # saved by an earlier node and left as it is
+                self.store.begin_call()
                 with self.hooks:
                     value = self.effects.run(node, self._load(node.args), self._load(node.kwargs), recompute=False)
             else:
@@ -234,12 +235,13 @@ class _Step:
 
     def _store(self, node: fx.Node, value):
         g = self.traced.group_of.get(node.name)
-        self.needs_grad[node.name] = any(t.requires_grad for t in tensors_of((value,)))
+        tensors = [value] if type(value) is torch.Tensor else tensors_of((value,))
+        self.needs_grad[node.name] = any(t.requires_grad for t in tensors)
         if g is None:
             self.constants[node.name] = value  # no tensor of its own: kept for the whole step
         else:
             self.env[node.name] = value
-            self.store.note_value(g, value)
+            self.store.note_value(g, tensors)
             if node.name in self.cached_names.get(g, ()):
                 self.cache[node.name] = value
             self.swap.note_value(g, value)
@@ -294,7 +296,8 @@ class _Step:
                     env[node.name] = self.effects.run(node, self._load(node.args, env), self._load(node.kwargs, env),
                                                       recompute=True)
                 if g in storages:
-                    storages[g] |= {ranks[g][sid]: t for sid, t in _ranked(env[node.name], ranks[g]).items()}
+                    new = _ranked(tensors_of((env[node.name],)), ranks[g])
+                    storages[g] |= {ranks[g][sid]: t for sid, t in new.items()}
                 for name in frees:
                     env.pop(name, None)
         for g in groups:
@@ -370,7 +373,8 @@ class _Store:
         self.storage_group: dict[int, tuple[weakref.ref, int, int]] = {}  # storage id -> (it, group, rank)
         self.storage_ranks: dict[int, dict[int, int]] = {}  # group -> storage id -> rank
         self.pending: list[_Saved] = []  # packed since the last resolve
-        self.packed: weakref.WeakSet[_Saved] = weakref.WeakSet()  # what the graph still holds, to drop on failure
+        self.saves = 0  # tensors the call running saved so far
+        self.packed: list[weakref.ref] = []  # to what the graph may still hold, to drop on failure
         self.unreached_saves: list[_Saved] = []  # what the layers no gradient reaches saved, until the loss
         self.tokens_left: dict[int, int] = {}  # group -> tokens not yet unpacked
         self.value_tokens: dict[int, int] = {}  # group -> those of them that read its value
@@ -380,8 +384,10 @@ class _Store:
         self.extra_keys: set[tuple[str, int]] = set()  # (fx node, rank) of every extra token
 
     def drop_packed(self):
-        for saved in list(self.packed):
-            saved.tensor = saved.swapped = None
+        for ref in self.packed:
+            if (saved := ref()) is not None:
+                saved.tensor = saved.swapped = None
+        self.packed.clear()
 
     def drop_unreached(self):
         """Let go of what the layers no gradient reaches saved, at the loss, where plain PyTorch lets go of
@@ -400,18 +406,25 @@ class _Store:
             saved.tensor, saved.swapped, saved.group = None, None, -1
         self.unreached_saves.clear()
 
-    def note_value(self, g: int, value) -> None:
-        """A value the forward made for group ``g``: each of its storages not seen yet, with its rank among the
-        group's, so that what a layer saves of it is known as ``g``'s."""
+    def note_value(self, g: int, tensors: list[torch.Tensor]) -> None:
+        """The tensors of a value the forward made for group ``g``: each of their storages not seen yet, with its
+        rank among the group's, so that what a layer saves of it is known as ``g``'s."""
         ranks = self.storage_ranks.setdefault(g, {})
-        for t in _ranked(value, ranks).values():
-            storage = t.untyped_storage()
-            self.storage_group[id(storage)] = (weakref.ref(storage), g, ranks[id(storage)])
+        for sid, t in _ranked(tensors, ranks).items():
+            self.storage_group[sid] = (weakref.ref(t.untyped_storage()), g, ranks[sid])
 
-    def pack(self, tensor: torch.Tensor) -> _Saved:
-        saved = _Saved(tensor)
+    def begin_call(self):
+        """Before a call inside the hooks: what is pending was saved by an earlier node and is left as it is."""
+        self.pending.clear()
+        self.saves = 0
+
+    def pack(self, tensor: torch.Tensor) -> _Saved | torch.Tensor:
+        rank, self.saves = self.saves, self.saves + 1
+        if id(tensor.untyped_storage()) in self.static:
+            return tensor  # a parameter, buffer or input: never a token, and it holds no grad_fn to make a cycle
+        saved = _Saved(tensor, rank)
         self.pending.append(saved)
-        self.packed.add(saved)
+        self.packed.append(weakref.ref(saved))
         return saved
 
     def resolve(self, node_name: str | None = None):
@@ -421,7 +434,7 @@ class _Store:
         group = self.group_of.get(node_name) if node_name else None
         if group in self.unreached:
             self.unreached_saves += self.pending
-        for rank, saved in enumerate(self.pending):
+        for saved in self.pending:
             storage = saved.tensor.untyped_storage()
             entry = self.storage_group.get(id(storage))
             g, storage_rank = entry[1:] if entry and entry[0]() is storage else (-1, -1)
@@ -434,7 +447,7 @@ class _Store:
                     saved.tensor = None
                     continue
             elif g == -1 and group in self.discarded and id(storage) not in self.static and storage.nbytes():
-                saved.group, saved.extra = group, (node_name, rank)
+                saved.group, saved.extra = group, (node_name, saved.rank)
                 self.extra_nodes.add(node_name)
                 self.extra_keys.add(saved.extra)
             else:
@@ -444,8 +457,11 @@ class _Store:
             if saved.extra is None:
                 self.value_tokens[saved.group] = self.value_tokens.get(saved.group, 0) + 1
         self.pending.clear()
+        self.saves = 0
 
-    def unpack(self, saved: _Saved) -> torch.Tensor:
+    def unpack(self, saved: _Saved | torch.Tensor) -> torch.Tensor:
+        if type(saved) is not _Saved:
+            return saved
         if saved.tensor is not None:
             return saved.tensor
         if saved.swapped is None and saved.group < 0:
@@ -852,14 +868,15 @@ def _frees(order: list[fx.Node], keep=frozenset()) -> list[tuple[str, ...]]:
     return [tuple(names) for names in frees]
 
 
-def _ranked(value, ranks: dict[int, int]) -> dict[int, torch.Tensor]:
-    """The storages ``value`` holds that ``ranks`` had not seen, by id, each with a tensor on it; each is
-    given the next rank, so a value's storages are ranked alike in its forward call and its recomputation."""
+def _ranked(tensors: list[torch.Tensor], ranks: dict[int, int]) -> dict[int, torch.Tensor]:
+    """The storages of a value's ``tensors`` that ``ranks`` had not seen, by id, each with a tensor on it; each
+    is given the next rank, so a value's storages are ranked alike in its forward call and its recomputation."""
     new = {}
-    for t in tensors_of((value,)):
-        if id(t.untyped_storage()) not in ranks:
-            ranks[id(t.untyped_storage())] = len(ranks)
-            new[id(t.untyped_storage())] = t
+    for t in tensors:
+        sid = id(t.untyped_storage())
+        if sid not in ranks:
+            ranks[sid] = len(ranks)
+            new[sid] = t
     return new
 
 
