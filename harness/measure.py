@@ -8,7 +8,9 @@ NOTE [measurement protocol]
   else: inputs, activations, their gradients, temporaries). Storages made inside ``on_host()`` (swap's
   copies in host memory) are counted apart, as ``host``, and never in the device's peak.
 - ``meta``: the real program on meta tensors, nothing allocated; the tracker's peak is the measurement.
-  No time is measured (there is nothing to time).
+  No time is measured (there is nothing to time). The tracker counts the same step's FLOPs too, by the
+  rules ``FlopCounterMode`` counts with (``torch.utils.flop_counter``'s registry): that mode's module hooks
+  hold tensors the tracker would count, so it needed a step of its own.
 - ``cpu``: the tracker's peak, and the wall time of a step, median and IQR of ``timed_steps`` steps after
   ``warmup_steps`` (the tracker is off while timing).
 - ``cuda``: ``gc``, ``empty_cache`` and ``reset_peak_memory_stats``, one step, then
@@ -52,7 +54,7 @@ from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import flop_registry
 from torch.utils._pytree import tree_leaves
 
 from strategies import cycle_collector_off
@@ -112,6 +114,7 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_bytes = 0
         self.peak_parts = dict(self.current)
         self.host_peak_bytes = 0
+        self.flops = 0  # of the ops seen, by torch.utils.flop_counter's rules
         self._hooks = []
         self._sum: tuple | None = None  # (storage ref, part) of a gradient sum not yet counted
         for t in list(model.parameters()) + list(model.buffers()):
@@ -162,7 +165,10 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._count_sum()
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if (count := flop_registry.get(func._overloadpacket)) is not None:
+            self.flops += count(*args, **kwargs, out_val=out)
         part = "host" if getattr(_placement, "host", 0) else "activations"
         if func is torch.ops.aten.add.Tensor and _is_gradient_sum(out, args):
             self._sum = (weakref.ref(out.untyped_storage()), part)
@@ -200,13 +206,9 @@ def measure(step: Callable[[], object], model: torch.nn.Module, inputs: tuple[to
         # A tensor the program makes without naming a device is made on meta too, as in the trace.
         with torch.device("meta"):
             tracked = _tracked_step(step, model, inputs)
-            # Counted in a step of its own: the counter's module hooks hold tensors the tracker would count.
-            with FlopCounterMode(display=False) as flops:
-                step()
-        clear_grads(model)
         return Measurement(device="meta", method="meta-tracker", peak_bytes=tracked.peak_bytes,
                            tracker_peak_bytes=tracked.peak_bytes, device_name="meta", **_parts(tracked),
-                           step_flops=flops.get_total_flops())
+                           step_flops=tracked.flops)
     tracked = _tracked_step(step, model, inputs)
     if device == "cpu":
         times = _timed(step, model, warmup_steps, timed_steps, _wall_ms)

@@ -25,6 +25,9 @@ def test_tracker_peak_on_a_toy_model():
     assert m.peak_bytes == 2888
     assert (m.params_bytes, m.grads_bytes, m.activations_bytes) == (1200, 400, 1288)
     assert m.method == "meta-tracker" and m.step_time_ms is None
+    # FLOPs, 2 a multiply-add: forward 2*4*10*20 + 2*4*20*5; backward grad r and grad W2 2*4*20*5 each, grad W1
+    # 2*4*10*20 (x needs no gradient)
+    assert m.step_flops == 1600 + 800 + 800 + 800 + 1600
 
 
 def test_cpu_measures_time_too():
