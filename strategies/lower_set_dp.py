@@ -249,7 +249,9 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
     # The least replay; at equal peaks, tc's least overhead, mc's tightest equation (2) budget.
     minimal = min(scanned, key=lambda b: (replays[b].peak_bytes, replays[b].overhead_cost if mode == "tc" else b))
     plan, peak = scanned[minimal], replays[minimal].peak_bytes
-    if counted is not graph or graph.loss_bytes:  # Kusumoto et al.'s count is another proxy
+    # Kusumoto et al.'s count is another proxy, for the minimal plan; a budget the minimal plan so far meets is
+    # searched from that plan, which fits, and needs no other
+    if (counted is not graph or graph.loss_bytes) and (budget_bytes is None or peak > budget_bytes):
         paper = solve_family(graph, words, None, mode, strategy, memory_model="paper", check=check)
         paper_peak = simulate(graph, paper).peak_bytes
         if paper_peak < peak:
