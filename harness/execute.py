@@ -8,7 +8,8 @@ it (a hook on every save is host work that plain PyTorch does not do). When a la
 a tensor whose storage belongs to an IR node the plan recomputes, the hook keeps only a token (the node, which
 of its storages: a layer may make several, as ``torch.linalg.qr`` makes Q and R, and the tensor's size, stride
 and offset), so the value dies after its last forward use. Values the plan keeps are saved as usual, and the
-executor holds on to those that the recomputation of a later stage reads.
+executor holds on to those that the recomputation of a later stage reads. A parameter, buffer or input is handed
+back as it is, with no record: it is never a token, and the packing costs a set lookup.
 
 In the backward pass, the first time the autograd engine unpacks a token of stage ``i``, all the
 recomputed nodes of stage ``i`` are run again, under ``no_grad``, from the kept values (Kusumoto et al.'s
@@ -272,7 +273,7 @@ class _Step:
     def _recompute_stage(self, stage: int):
         # Only what a token will read, and what that is made from (NOTE [what a recomputation makes] in
         # strategies/replay.py); a layer not rerun lets go of the state its forward call found.
-        discarded = members(self.plan.stages[stage] & ~self.plan.kept)
+        discarded = self.layout.stage_discarded[stage]
         wanted = bits(g for g in discarded if self.store.tokens_left.get(g))
         read = bits(g for g in discarded if self.store.value_tokens.get(g))
         key = (stage, wanted, read)
@@ -303,9 +304,10 @@ class _Step:
         for g in groups:
             if wanted >> g & 1:  # pending tokens: of its value, or only of what its layer saved
                 self.store.recomputed[g] = storages[g] if read >> g & 1 else _EXTRAS_ONLY
-        for g in list(self.cache_stages):
-            self.cache_stages[g].discard(stage)
-            self._release_cache(g)
+        for g in self.layout.stage_reads.get(stage, ()):
+            if g in self.cache_stages:
+                self.cache_stages[g].discard(stage)
+                self._release_cache(g)
 
     def _rerun_saving(self, node: fx.Node, env: dict):
         """Recompute ``node`` with autograd on, to collect again what its layer saves beside node values;
@@ -763,6 +765,10 @@ def _layout(traced: Traced, plan: Plan) -> SimpleNamespace:
             if g is not None and g not in discarded:
                 cached_names.setdefault(g, set()).add(source.name)
                 cache_stages.setdefault(g, set()).add(stage_of[traced.group_of[name]])
+    stage_reads: dict[int, list[int]] = {}  # stage -> the kept groups its recomputation reads
+    for g, stages in cache_stages.items():
+        for stage in stages:
+            stage_reads.setdefault(stage, []).append(g)
     remade = discarded - set(members(graph.never_recomputed()))  # its RNG and state are kept for it
     # The calls whose saves the hooks must see (NOTE [executing a plan]): those of a value the plan recomputes
     # or swaps, or that no gradient reaches, and those that read a value it recomputes or swaps.
@@ -773,9 +779,10 @@ def _layout(traced: Traced, plan: Plan) -> SimpleNamespace:
               for node in order]
     layout = SimpleNamespace(
         discarded=discarded, stage_of=stage_of, order=order, stage_nodes=stage_nodes, held_for=held_for,
-        cached_names=cached_names, cache_stages=cache_stages, forward_frees=_frees(order), hooked=hooked,
-        unreached=set(graph.unreached), recomputable={name for g in remade for name in traced.members[g]},
-        recomputations={})
+        cached_names=cached_names, cache_stages=cache_stages, stage_reads=stage_reads, forward_frees=_frees(order),
+        stage_discarded={s: members(stage & ~plan.kept) for s, stage in enumerate(plan.stages)},
+        hooked=hooked, unreached=set(graph.unreached),
+        recomputable={name for g in remade for name in traced.members[g]}, recomputations={})
     traced.layouts[key] = layout
     return layout
 
