@@ -38,3 +38,19 @@ def test_host_time_is_the_median_of_steps_profiled_one_by_one_without_the_cycle_
     ops, python_ms = overhead.ops_and_python(run, "cpu", steps=5)
     assert calls == [False] * 5 and gc.isenabled()
     assert ops == 0 and 2 <= python_ms < 50, python_ms  # a mean of the five would be over 40 ms
+
+
+def test_python_work_is_counted_call_by_call_and_the_same_every_run():
+    def g():
+        return None
+
+    def once():
+        g()
+
+    def twice():
+        g()
+        g()
+
+    assert overhead.python_calls(twice) - overhead.python_calls(once) == 1
+    rows = [overhead.measure_cell("vgg19", "approx_dp", {"mode": "mc"}, "cpu", steps=1) for _ in range(2)]
+    assert rows[0]["python calls"] == rows[1]["python calls"] > rows[0]["their python calls"] > 0
