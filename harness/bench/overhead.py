@@ -92,8 +92,8 @@ def python_calls(run) -> int:
 
 def plain_recomputation(traced: Traced, example_input: torch.Tensor, names: list[str],
                         steps: int = 1) -> tuple[float, float, int]:
-    """(ATen op calls, host ms outside them, Python calls) of the fx nodes ``names`` run plainly, one after another in that
-    order under ``no_grad``, from the values a plain forward pass made: what recomputing them costs with
+    """(ATen op calls, host ms outside them, Python calls) of the fx nodes ``names`` run plainly, one after another
+    in that order under ``no_grad``, from the values a plain forward pass made: what recomputing them costs with
     nothing around it. The module's state and generators are left as they were found."""
     module = traced.module
     rng = ({example_input.device}, generators_of(module))
@@ -166,7 +166,8 @@ def table(rows: pd.DataFrame) -> pd.DataFrame:
                         "python ok": "" if peer else "yes" if row["python ms"] <= python_bound else "no",
                         "python / vanilla": row["python ms"] / vanilla["python ms"],
                         "python calls": row["python calls"], "calls bound": calls_bound,
-                        "calls ok": "" if calls_bound is None else "yes" if row["python calls"] <= calls_bound else "no",
+                        "calls ok": "" if calls_bound is None
+                        else "yes" if row["python calls"] <= calls_bound else "no",
                         "calls / vanilla": row["python calls"] / vanilla["python calls"] if counted else None})
     return pd.DataFrame(out)
 
