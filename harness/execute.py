@@ -236,7 +236,7 @@ class _Step:
 
     def _store(self, node: fx.Node, value):
         g = self.traced.group_of.get(node.name)
-        tensors = [value] if type(value) is torch.Tensor else tensors_of((value,))
+        tensors = [value] if type(value) is torch.Tensor else tensors_of((value,))  # most values: one tensor
         self.needs_grad[node.name] = any(t.requires_grad for t in tensors)
         if g is None:
             self.constants[node.name] = value  # no tensor of its own: kept for the whole step
@@ -459,7 +459,6 @@ class _Store:
             if saved.extra is None:
                 self.value_tokens[saved.group] = self.value_tokens.get(saved.group, 0) + 1
         self.pending.clear()
-        self.saves = 0
 
     def unpack(self, saved: _Saved | torch.Tensor) -> torch.Tensor:
         if type(saved) is not _Saved:

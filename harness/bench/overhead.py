@@ -154,7 +154,7 @@ def table(rows: pd.DataFrame) -> pd.DataFrame:
             peer = row.strategy.startswith("torch_")  # PyTorch's checkpointing: the reference, not held to a goal
             ops_bound = None if peer else vanilla.ops + row["their ops"] + CALL_OPS * row["recomputed calls"]
             python_bound = None if peer else PYTHON_FACTOR * vanilla["python ms"] + row["their python ms"]
-            counted = row["python calls"] is not None and not pd.isna(row["python calls"])
+            counted = not pd.isna(row["python calls"])
             calls_bound = PYTHON_FACTOR * vanilla["python calls"] + row["their python calls"] \
                 if counted and not peer else None
             out.append({"net": net, "strategy": row.strategy, "recomputed calls": row["recomputed calls"],
