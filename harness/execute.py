@@ -33,9 +33,11 @@ layer is. Both are done by mechanism, with no list of layer types:
   The program's own RNG streams go on afterwards as if nothing had been recomputed.
 - State. The buffers an fx node of a recomputed value can reach (its module's, for a module call; the
   buffers among its inputs, for a function or method) are copied before its forward call; for the
-  recomputed call each buffer takes that copy's data (``t.data``: no kernel), so the call reads the state
-  as its forward found it and writes into the copy, and then gets its own data back; a buffer the call
-  reads through a view made before it (which would not see the swap) is copied in and back. So a layer whose
+  recomputed call the copy takes each buffer's place (in every module that registers it, and among the
+  call's arguments; through ``t.data`` where a module also holds the buffer as a plain attribute, which a
+  registry swap would miss), so the call reads the state as its forward found it and writes into the copy,
+  and then the buffer takes its place back; a buffer the call reads through a view made before it (which
+  would not see the swap) is copied in and back. None of it runs a kernel but the copy. So a layer whose
   output reads the state it writes (spectral normalisation's power iteration, a running statistic it
   divides by) recomputes what its forward computed (started from the state the forward left, it
   normalised by another estimate: gradients off by up to 95%), and BatchNorm's running statistics and
@@ -48,10 +50,11 @@ layer is. Both are done by mechanism, with no list of layer types:
   writes] in ``harness/tracer.py``).
 - Grad mode. A node the model ran under ``no_grad`` runs under it here too (NOTE [grad mode] there).
 - In-place ops. A recomputation under ``no_grad`` runs any in-place op as it is. A layer rerun with
-  autograd on, to collect what it saves besides node values, gets inputs that are fresh non-leaf aliases
-  of the recomputed values (``_Fresh``), one per fx input, so ``inplace=True`` modules, ``F.*(...,
-  inplace=True)``, ``x.add_()`` and writes to views work on them, and ops that test ``q is k`` (MHA's
-  self-attention path) see the same aliasing as in the forward pass.
+  autograd on, to collect what it saves besides node values, gets inputs that are aliases of the recomputed
+  values, one per fx input, so that ops that test ``q is k`` (MHA's self-attention path) see the same
+  aliasing as in the forward pass: leaves (``.data``, no op) where its forward call wrote no input in place,
+  and fresh non-leaves (``_Fresh``) where it did (its input's version counter moved, found once), so
+  ``inplace=True`` modules, ``F.*(..., inplace=True)``, ``x.add_()`` and writes to views work on them.
 
 NOTE [what a call needs, found once]
 Taking and comparing every generator's state around every call a plan may recompute, every step, was most
@@ -62,12 +65,14 @@ it, and later steps take the state only before the calls that drew (``_static(mo
 setting of the modules' ``training`` flags and devices, so ``eval()`` and back learn again). A call that draws only on
 some steps (a dropout whose probability was 0) would then be replayed from the wrong state; instead, a
 stage whose recomputation replays no draw checks that it drew nothing, and a step where it did fails,
-naming the calls (``_drawing_nothing``). A stage that replays a draw puts the program's state back after
-it. A buffer the recomputation swaps in is read from the call's own ``written_state`` of the forward pass
-(the same tensors), and the state's copy is one ``clone``; a recomputed value handed back whole needs no
-``as_strided``. What is left beside the recomputed layers' own ops is the state copies (three ops a
-buffer: a BatchNorm's three take nine) and the reruns that collect what a layer saves (``_rerun_saving``):
-``python -m harness.bench.overhead`` measures it against the goal of two ops a recomputed call.
+naming the calls (``_drawing_nothing``; CPU states are compared as bytes, where ``torch.equal`` is two ATen
+ops). A stage that replays a draw puts the program's state back after it. A buffer the recomputation swaps
+in is read from the call's own ``written_state`` of the forward pass (the same tensors), and the state's
+copy is two ops (``empty_strided``, ``copy_``; ``clone`` is three); a recomputed value handed back whole
+needs no ``as_strided``. What is left beside the recomputed layers' own ops is the state copies (a
+BatchNorm's three buffers take six ops) and the reruns that collect what a layer saves
+(``_rerun_saving``): ``python -m harness.bench.overhead`` measures it against the goal of two ops a
+recomputed call.
 The rest of what a step needs from the trace and the plan (the calls' order, what each call lets go of, which
 calls run inside the hooks, the kept values each stage reads, each recomputation's schedule) is made at the
 plan's first step too (``_layout``, kept with the trace), not worked out again every step.
@@ -94,6 +99,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_map_only
 
 from harness.measure import on_host, recomputing
 from harness.nets import sum_loss
@@ -327,7 +333,8 @@ class _Step:
             value = self._load(a, env)
             if isinstance(value, torch.Tensor) and self.needs_grad.get(a.name) and a.op != "get_attr":
                 if a.name not in fresh:
-                    fresh[a.name] = _Fresh.apply(value.data.requires_grad_())
+                    leaf = value.data.requires_grad_()
+                    fresh[a.name] = _Fresh.apply(leaf) if self.effects.writes_inputs.get(node.name, True) else leaf
                 return fresh[a.name]
             return value
 
@@ -510,6 +517,7 @@ class _SideEffects:
         self.buffers = [b for _, b in named_buffers]
         self.buffer_ids = {id(b) for b in self.buffers}
         self.written = {id(b.untyped_storage()): b for name, b in named_buffers if name in traced.written_buffers}
+        self.static = static
         self.modules = static.modules
         self.rng_states: dict[str, object] = {}  # fx node that drew numbers -> RNG state before it
         self.state_before: dict[str, tuple] = {}  # recomputed fx node -> (its buffers, as found)
@@ -520,8 +528,9 @@ class _SideEffects:
         static = _static(self.module)
         self.rng = (devices, static.generators)
         # meta's kernels draw nothing: what is learned there does not hold on a device that runs them
-        self.draws = static.draws.setdefault((tuple(m.training for m in static.modules.values()),
-                                              frozenset(str(d) for d in devices)), {})
+        key = (tuple(m.training for m in static.modules.values()), frozenset(str(d) for d in devices))
+        self.draws = static.draws.setdefault(key, {})
+        self.writes_inputs = static.writes_inputs.setdefault(key, {})  # fx node -> whether it wrote an input
 
     def forget(self, names) -> None:
         """Let go of the state the forward calls ``names`` found: nothing will recompute them."""
@@ -544,8 +553,14 @@ class _SideEffects:
             written = self.written_by(node, args, kwargs)
             if written:  # the state as this call finds it, for the recomputation to start from
                 with torch.no_grad():
-                    self.state_before[node.name] = (written, [t.clone() for t in written])
+                    self.state_before[node.name] = (written, [_copy(t) for t in written])
+            learning = node.name not in self.writes_inputs
+            if learning:  # an in-place write moves the input's version counter (a view's moves its base's)
+                inputs = tensors_of(args, kwargs)
+                versions = [t._version for t in inputs]
             value = self.call(node, args, kwargs)
+            if learning:
+                self.writes_inputs[node.name] = any(t._version != v for t, v in zip(inputs, versions))
             if draws is None:
                 draws = self.draws[node.name] = not same_rng_state(before, rng_state(self.rng))
             if draws:
@@ -559,26 +574,39 @@ class _SideEffects:
         written, found = self.state_before.pop(node.name, ((), ()))
         if not written:
             return self.call(node, args, kwargs)
-        # The state as found: the copy's data swapped in, or copied in where a view made before the call reads
-        # the buffer (NOTE [replaying side effects]).
-        views = {id(a.untyped_storage()) for a in tensors_of(args, kwargs) if all(a is not t for t in written)}
-        swapped, copied = [], []
+        # The state as found, in the buffer's place (NOTE [replaying side effects]): in the modules that hold it
+        # and among the call's arguments; through ``.data`` where a module also holds it as a plain attribute;
+        # copied in where a view made before the call reads it.
+        inputs = tensors_of(args, kwargs)
+        views = {id(a.untyped_storage()) for a in inputs if all(a is not t for t in written)}
+        placed, swapped, copied, given = [], [], [], {}
         with torch.no_grad():
             for i, t in enumerate(written):  # one buffer at a time: the copy of the state as found goes
                 if id(t.untyped_storage()) in views:
                     copied.append((t, t.detach().clone()))
                     t.copy_(found[i])
-                else:
+                elif (held := _holders(self.module, self.static, t)) is None:
                     swapped.append((t, t.data))
                     t.data = found[i]
+                else:
+                    for m, name in held:
+                        (m or self.module)._buffers[name] = found[i]
+                    placed.append((held, t))
+                    given[id(t)] = found[i]
                 found[i] = None
-        value = self.call(node, args, kwargs)
-        with torch.no_grad():
-            for t, old in copied:
-                t.copy_(old)
-            for t, old in swapped:
-                t.data = old
-        return value
+        if given and not given.keys().isdisjoint(map(id, inputs)):
+            args, kwargs = tree_map_only(torch.Tensor, lambda a: given.get(id(a), a), (args, kwargs))
+        try:
+            return self.call(node, args, kwargs)
+        finally:
+            with torch.no_grad():
+                for held, t in placed:
+                    for m, name in held:
+                        (m or self.module)._buffers[name] = t
+                for t, old in copied:
+                    t.copy_(old)
+                for t, old in swapped:
+                    t.data = old
 
     def written_by(self, node: fx.Node, args, kwargs) -> list[torch.Tensor]:
         module = self.modules[node.target] if node.op == "call_module" else None
@@ -905,9 +933,39 @@ def _static(module: fx.GraphModule) -> SimpleNamespace:
     (each a walk over every module, or every call's arguments: milliseconds of host time a step)."""
     if module not in _STATIC:
         # the root is left out: a value that held its key would keep the module, and its weights, forever
-        _STATIC[module] = SimpleNamespace(modules={name: m for name, m in module.named_modules() if name},
-                                          generators=generators_of(module), draws={})
+        modules = {name: m for name, m in module.named_modules() if name}
+        _STATIC[module] = SimpleNamespace(modules=modules, generators=generators_of(module), draws={},
+                                          writes_inputs={}, holders={})
     return _STATIC[module]
+
+
+def _holders(root: torch.nn.Module, static: SimpleNamespace, buffer: torch.Tensor) -> list | None:
+    """The (module, name) pairs that register ``buffer`` (module None: the root, which ``_STATIC`` may not
+    hold), where a recomputation puts the state as found in its place; None where a module also holds it as a
+    plain attribute (or in a list, tuple or dict attribute), which sees the state only through ``.data``.
+    Found once, and again when a buffer has moved."""
+    held = static.holders.get(id(buffer))
+    if held is False or held and (held[0][0] or root)._buffers.get(held[0][1]) is buffer:
+        return held or None
+    static.holders.clear()
+    aliased = set()
+    for m in (root, *static.modules.values()):
+        for name, b in m._buffers.items():
+            if b is not None:
+                static.holders.setdefault(id(b), []).append((None if m is root else m, name))
+        for key, value in vars(m).items():
+            if key not in ("_parameters", "_buffers", "_modules"):
+                items = value.values() if isinstance(value, dict) \
+                    else value if isinstance(value, (list, tuple)) else (value,)
+                aliased |= {id(t) for t in items if isinstance(t, torch.Tensor)}
+    for key in aliased & static.holders.keys():
+        static.holders[key] = False  # registered, and held as an attribute too
+    return static.holders.get(id(buffer)) or None
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in two ATen ops, where ``clone`` is three (it allocates through a nested op)."""
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
 @contextlib.contextmanager

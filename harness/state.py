@@ -6,6 +6,7 @@ and the measured cost model take, compare and put back both through these (NOTE 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 
 import torch
 import torch.fx as fx
@@ -62,8 +63,14 @@ def state_kept(module: torch.nn.Module, rng: tuple):
 
 
 def same_rng_state(a: tuple, b: tuple) -> bool:
-    return torch.equal(a[0], b[0]) and a[1] == b[1] and all(
-        x == y if isinstance(x, tuple) else torch.equal(x, y) for (_, x), (_, y) in zip(a[2], b[2]))
+    return _same_bytes(a[0], b[0]) and a[1] == b[1] and all(
+        x == y if isinstance(x, tuple) else _same_bytes(x, y) for (_, x), (_, y) in zip(a[2], b[2]))
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two CPU generator states (byte tensors) compared as bytes: ``torch.equal`` is two ATen ops, and the
+    executor compares states once a stage, every step."""
+    return a.nbytes == b.nbytes and ctypes.string_at(a.data_ptr(), a.nbytes) == ctypes.string_at(b.data_ptr(), b.nbytes)
 
 
 def _cuda_index(device: torch.device) -> int:
@@ -103,10 +110,19 @@ def written_state(module: torch.nn.Module, node: fx.Node, args, kwargs, buffer_i
 
 def tensors_of(args, kwargs=None) -> list[torch.Tensor]:
     """The tensors among a call's arguments, at any depth; flat arguments without the pytree walk."""
-    if not kwargs and isinstance(args, tuple) and all(isinstance(a, (torch.Tensor, int, float, bool, type(None)))
-                                                      for a in args):
-        return [a for a in args if isinstance(a, torch.Tensor)]
+    if not kwargs and isinstance(args, tuple):  # a loop: a generator's every step is a Python call too
+        found = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                found.append(a)
+            elif not isinstance(a, _FLAT):
+                break
+        else:
+            return found
     return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+
+
+_FLAT = (int, float, bool, type(None))
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:

@@ -441,6 +441,43 @@ def test_a_layer_that_reads_the_state_it_writes_is_recomputed_from_the_state_its
     assert {"convs_0", "convs_1", "convs_2", "head", "running_rms_norm"} <= recomputed
 
 
+class ListedStatistic(nn.Module):
+    """Divides by a running mean square that it first updates, read through a list attribute that holds the
+    buffer too (a library's layer keeping its statistics in one place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("running", torch.ones(()))
+        self.statistics = [self.running]
+
+    def forward(self, x):
+        running = self.statistics[0]
+        with torch.no_grad():
+            running.mul_(0.5).add_(x.square().mean(), alpha=0.5)
+        return x / running.sqrt()
+
+
+ListedStatistic.__module__ = "torch.nn.modules.listed"  # fx keeps a module of torch.nn whole, as one call
+
+
+def test_state_a_layer_also_holds_as_an_attribute_is_replayed_where_the_layer_reads_it():
+    # NOTE [replaying side effects]: the state as found takes the buffer's place in the modules that register
+    # it; this layer reads it through its list, which sees it only through ``.data``. Placed only in the
+    # registry, the recomputation read the state its forward left and updated it a second time.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), ListedStatistic(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    loss_fn = lambda out: out.square().sum()  # noqa: E731
+    traced = trace(model, x, loss_fn=loss_fn)
+    graph = traced.graph
+    statistic = graph.names.index("_1")
+    for stages in ([range(len(graph))], [range(3), range(3, len(graph))]):
+        plan = strategies.Plan.from_stages(graph, [strategies.bits(stage) for stage in stages])
+        assert plan.recomputed >> statistic & 1
+        difference = compare(model, x, loss_fn, lambda: execute(traced, plan, x, loss_fn=loss_fn))
+        assert difference.exact, difference
+
+
 class ReverseGradient(torch.autograd.Function):
     """A domain-adversarial gradient reversal: the identity forward, whose own derivative is not its backward."""
 

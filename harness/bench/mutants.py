@@ -53,12 +53,19 @@ MUTANTS = [
            ("tests/test_accounting.py::test_predicted_peak_is_the_measured_one_to_the_byte",)),
     Mutant("a recomputed BatchNorm starts from the state its forward call left, and updates it again",
            "harness/execute.py",
-           "                else:\n                    swapped.append((t, t.data))\n"
-           "                    t.data = found[i]\n",
-           "                else:\n                    pass\n",
+           "                    for m, name in held:\n"
+           "                        (m or self.module)._buffers[name] = found[i]\n"
+           "                    placed.append((held, t))\n"
+           "                    given[id(t)] = found[i]\n",
+           "                    pass\n",
            ("tests/test_any_model.py::test_side_effects_are_replayed_by_mechanism",
             "tests/test_any_model.py::test_a_layer_that_reads_the_state_it_writes_is_recomputed_from_the_state_its_"
             "forward_found")),
+    Mutant("a layer rerun to collect what it saves gets leaf inputs even where it writes an input in place",
+           "harness/execute.py",
+           "fresh[a.name] = _Fresh.apply(leaf) if self.effects.writes_inputs.get(node.name, True) else leaf\n",
+           "fresh[a.name] = leaf\n",
+           ("tests/test_any_model.py::test_side_effects_are_replayed_by_mechanism",)),
 ]
 
 
