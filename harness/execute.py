@@ -964,7 +964,10 @@ def _holders(root: torch.nn.Module, static: SimpleNamespace, buffer: torch.Tenso
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` in two ATen ops, where ``clone`` is three (it allocates through a nested op)."""
+    """A copy of ``t``: of a contiguous one in two ATen ops, where ``clone`` is three (it allocates through a
+    nested op); any other (a buffer expanded from one value) as ``clone`` lays it out."""
+    if not t.is_contiguous():
+        return t.clone()
     return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 

@@ -1,6 +1,7 @@
 """Any PyTorch model, exact: randomness, in-place ops and state handled by mechanism (NOTE [replaying side
 effects] in harness/execute.py), on models from outside the zoo; and models named by source."""
 
+import copy
 import dataclasses
 import json
 import random
@@ -155,6 +156,40 @@ class FunctionalBatchNorm(nn.Module):
     def forward(self, x):
         h = F.batch_norm(self.a(x), self.mean, self.var, training=True, momentum=0.3)
         return self.b(torch.tanh(h))
+
+
+@torch.fx.wrap
+def scaled(x, scale):
+    return x * scale
+
+
+class ExpandedBuffer(nn.Module):
+    """A buffer expanded from one value (stride 0), given to a call a plan recomputes: its copy as the call
+    found it is laid out as ``clone`` lays it out (a copy into its own strides would write one element
+    eight times, which PyTorch refuses). ``load_state_dict`` refuses such a buffer too, so ``compare``, which
+    loads the model's state into its reference, cannot check it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("scale", torch.full((), 2.0).expand(8))
+
+    def forward(self, x):
+        return self.b(torch.tanh(scaled(self.a(x), self.scale)))
+
+
+def test_a_recomputed_call_given_an_expanded_buffer_runs_as_plain_pytorch_runs_it():
+    torch.manual_seed(0)
+    model, x = ExpandedBuffer(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    reference(x).sum().backward()
+    traced = trace(model, x)
+    graph = traced.graph
+    plan = strategies.Plan.from_stages(graph, [strategies.bits(range(len(graph)))])
+    assert plan.recomputed >> graph.names.index("scaled") & 1
+    execute(traced, plan, x)
+    for (name, parameter), expected in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(parameter.grad, expected.grad, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("model_type", [Randomness, InPlace, FunctionalBatchNorm])
