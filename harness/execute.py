@@ -103,8 +103,7 @@ from torch.utils._pytree import tree_map_only
 
 from harness.measure import on_host, recomputing
 from harness.nets import sum_loss
-from harness.state import (generators_of, grad_mode, rng_state, same_rng_state, set_rng_state, tensors_of,
-                           written_state)
+from harness.state import generators_of, rng_state, same_rng_state, set_rng_state, tensors_of, written_state
 from harness.traced import Traced
 from strategies import Plan, bits, members
 from strategies.replay import called_for
@@ -358,6 +357,9 @@ class _Step:
                 self.cache.pop(name, None)
 
     def _load(self, args, local: dict | None = None):
+        if not args:  # most calls' keyword arguments: nothing to look up (map_arg is four Python calls)
+            return args
+
         def value(a: fx.Node):
             if local is not None and a.name in local:
                 return local[a.name]
@@ -368,6 +370,7 @@ class _Step:
             assert a.name in self.cache, f"executor bug: {a.name} is neither kept nor recomputed"
             return self.cache[a.name]
         return fx.node.map_arg(args, value)
+
 
 class _Store:
     """What the saved-tensor hooks keep (``pack``, ``unpack``): the tensor itself, or a token where the plan
@@ -682,12 +685,14 @@ def call_node(module: fx.GraphModule, modules: dict[str, torch.nn.Module], node:
     ``modules``: its submodules by name (``_static(module).modules``)."""
     if node.op == "get_attr":
         return _fetch_attr(module, node.target)
-    with grad_mode(node):
-        if node.op == "call_function":
-            return node.target(*args, **kwargs)
-        if node.op == "call_method":
-            return getattr(args[0], node.target)(*args[1:], **kwargs)
-        return modules[node.target](*args, **kwargs)
+    if node.meta.get("no_grad") and torch.is_grad_enabled():  # as ``grad_mode(node)``, entered only where it acts
+        with torch.no_grad():
+            return call_node(module, modules, node, args, kwargs)
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    return modules[node.target](*args, **kwargs)
 
 
 _EXTRAS_ONLY = object()  # a recomputed group whose value no token reads any more (its extras may be)
