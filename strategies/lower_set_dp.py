@@ -309,13 +309,14 @@ def _within(plan_within, replay, scanned: dict, replays: dict, budget_bytes: int
             fits[budget] = replayed.overhead_cost
 
     low = max(fits, default=min(scanned))
-    if mode == "mc" and low in fits and not any(b > low for b in plans):
+    if mode == "mc" and low in fits and low == max(plans):
         stride = max(1.0, float(budget_bytes - peaks[low]))
-        while low < top and all(b <= low for b in plans):
+        while low < top:
             probe(middle := float(min(low + stride, top) // 1))
-            if middle in fits:
-                low, stride = middle, 2 * stride
-    if top not in plans and all(b <= low for b in plans):
+            if middle not in fits:
+                break
+            low, stride = middle, 2 * stride
+    if top not in plans and low == max(plans):
         probe(top)
     low = max(fits, default=min(plans))
     if low < max(plans):
