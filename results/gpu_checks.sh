@@ -15,7 +15,7 @@
 #              search starting from meta's answer (results/rows_max_batch_meta), its probes memory-only.
 #   eager      ResNet-152 at batch 128, eager, 15 timed steps: vanilla, approx_dp (tc) at 6.0 GB,
 #              torch_checkpoint_blocks and chen_sqrt: the executor's time against PyTorch's own recomputation,
-#              each beside its GPU kernel time.
+#              each beside its GPU kernel time (EAGER_S seconds, 150 by default).
 #   compiled   ResNet-152 at batch 128, compiled, 15 timed steps: vanilla and approx_dp (tc) at 8.6 and 12.8 GB
 #              (COMPILED_S seconds, 330 by default: a plan over its budget on the device is solved and
 #              compiled again, so one cell may take two compiles, over 200 s).
@@ -30,7 +30,8 @@
 # tarred after each stage) and $OUT/gpu_checks.log; draw the tables again here from the rows (`--from-rows`).
 # On an H200 the rows of results/rows_h200 are copied in first, so a cell measured there is not run again
 # (run_cell's resume) and a run goes on where the last one stopped; EAGER_AGAIN=1 leaves out the eager
-# rows among them, so that the stages measure those again (after a change to the executor's host work).
+# rows among them but max_batch's (memory only), so that the stages time those again (after a change to the
+# executor's host work).
 # DEVICE=meta rehearses it here (the same commands on meta; the gpu tests skip; no profile).
 set -u
 DEVICE=${DEVICE:-cuda}
@@ -67,7 +68,8 @@ echo "torch $(python3 -c 'import torch; print(torch.__version__)') on $CARD"
 if [ "$DEVICE" = cuda ] && [ "$CARD" = "NVIDIA H200" ]; then
     cp -r results/rows_h200/. "$ROWS/"
     if [ "${EAGER_AGAIN:-0}" = 1 ]; then
-        find "$ROWS" -name '*__cuda.json' -delete  # the compiled rows end in __cuda__compiled.json
+        # the compiled rows end in __cuda__compiled.json; max_batch's probes time nothing (--timed-steps 0)
+        find "$ROWS" -path "$ROWS/max_batch" -prune -o -name '*__cuda.json' -print0 | xargs -0 rm -f
     fi
 fi
 STAGES=${*:-profile figure3 max_batch frontier cost peer tests}
@@ -88,7 +90,7 @@ for name in $STAGES; do
         stage "${F3_S:-150}" "$F3 $WORK/f3a --nets resnet152 --curves vanilla --batches 32,48,64 \
             && $F3 $WORK/f3b --nets resnet152 --curves 'approx_dp (tc),chen_sqrt' --batches 96 && $PSP" ;;
     eager)
-        stage 150 "$FR15 $WORK/time_eager --strategies approx_dp,torch_checkpoint_blocks,chen_sqrt \
+        stage "${EAGER_S:-150}" "$FR15 $WORK/time_eager --strategies approx_dp,torch_checkpoint_blocks,chen_sqrt \
             --dp-budgets 6.0GB --modes eager" ;;
     compiled)
         stage "${COMPILED_S:-330}" "$FR15 $WORK/time_compiled --strategies approx_dp --dp-budgets 8.6GB,12.8GB \
