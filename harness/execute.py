@@ -210,8 +210,9 @@ class _Step:
 
     def forward(self, inputs):
         args = iter(inputs)
-        parameters = (p for m in (self.traced.module, *self.effects.modules.values()) for p in m._parameters.values())
-        held = [*(p for p in parameters if p is not None), *self.effects.buffers, *inputs]
+        parameters = [p for m in (self.traced.module, *self.effects.modules.values()) for p in m._parameters.values()
+                      if p is not None]
+        held = [*parameters, *self.effects.buffers, *inputs]
         self.store.static = {id(t.untyped_storage()) for t in held}
         # A recomputation may run on autograd's device thread, where a default device set here is not; it
         # enters it only where one was set: the context is a torch-function mode, a Python call for every
@@ -219,30 +220,42 @@ class _Step:
         default = torch.get_default_device()
         self.default_device_mode = torch.device(default) if default.type != "cpu" else contextlib.nullcontext()
         self.effects.start({t.device for t in held})
-        # after each call, the values it read last go (and its own, where nothing reads it: a stray ``zeros_like``)
-        for node, frees, hooked in zip(self.order, self.layout.forward_frees, self.layout.hooked):
-            if node.op == "output":
-                return self._load(node.args[0])
-            if node.op == "placeholder":  # an argument not given takes its default, as in fx.Interpreter
-                self.constants[node.name] = next(args, node.args[0] if node.args else None)
-                continue
-            if hooked:
-                self.store.begin_call()
-                with self.hooks:
-                    value = self.effects.run(node, self._load(node.args), self._load(node.kwargs), recompute=False)
-            else:
-                value = self.effects.run(node, self._load(node.args), self._load(node.kwargs), recompute=False)
-            self._store(node, value)
-            if hooked:  # what the call saved, once its value's storages are known (an unhooked call saves none here)
-                self.store.resolve(node.name if node.name in self.traced.group_of else None)
-            for name in frees:
-                self.env.pop(name, None)
-            del value
+        # After each call, the values it read last go (and its own, where nothing reads it: a stray
+        # ``zeros_like``). The hooks are entered once for each run of hooked calls, not call by call (four
+        # Python calls each time); between the calls nothing runs that saves a tensor.
+        hooks_on = False
+        try:
+            for node, (node_args, node_kwargs), frees, hooked in zip(self.order, self.layout.arguments,
+                                                                     self.layout.forward_frees, self.layout.hooked):
+                if node.op == "output":
+                    return self._load(node_args[0])
+                if node.op == "placeholder":  # an argument not given takes its default, as in fx.Interpreter
+                    self.constants[node.name] = next(args, node_args[0] if node_args else None)
+                    continue
+                if hooked != hooks_on:
+                    self.hooks.__exit__(None, None, None) if hooks_on else self.hooks.__enter__()
+                    hooks_on = hooked
+                if hooked:
+                    self.store.begin_call()
+                value = self.effects.run(node, self._load(node_args), self._load(node_kwargs), recompute=False)
+                self._store(node, value)
+                if hooked:  # what the call saved, once its value's storages are known (an unhooked call saves none)
+                    self.store.resolve(node.name if node.name in self.traced.group_of else None)
+                for name in frees:
+                    self.env.pop(name, None)
+                del value
+        finally:
+            if hooks_on:
+                self.hooks.__exit__(None, None, None)
 
     def _store(self, node: fx.Node, value):
         g = self.traced.group_of.get(node.name)
-        tensors = [value] if type(value) is torch.Tensor else tensors_of((value,))  # most values: one tensor
-        self.needs_grad[node.name] = any(t.requires_grad for t in tensors)
+        if type(value) is torch.Tensor:  # most values: one tensor
+            tensors = [value]
+            self.needs_grad[node.name] = value.requires_grad
+        else:
+            tensors = tensors_of((value,))
+            self.needs_grad[node.name] = any([t.requires_grad for t in tensors])
         if g is None:
             self.constants[node.name] = value  # no tensor of its own: kept for the whole step
         else:
@@ -279,8 +292,8 @@ class _Step:
         # Only what a token will read, and what that is made from (NOTE [what a recomputation makes] in
         # strategies/replay.py); a layer not rerun lets go of the state its forward call found.
         discarded = self.layout.stage_discarded[stage]
-        wanted = bits(g for g in discarded if self.store.tokens_left.get(g))
-        read = bits(g for g in discarded if self.store.value_tokens.get(g))
+        wanted = bits([g for g in discarded if self.store.tokens_left.get(g)])
+        read = bits([g for g in discarded if self.store.value_tokens.get(g)])
         key = (stage, wanted, read)
         if key not in self.layout.recomputations:
             self.layout.recomputations[key] = _recomputation(self.traced, self.plan, self.stage_nodes, *key)
@@ -294,16 +307,17 @@ class _Step:
         # makes several (``torch.linalg.qr``'s Q and R, ``var_mean``, values and indices) saves any of them.
         storages = {g: {} for g in groups if read >> g & 1}
         ranks = {g: {} for g in storages}
-        with torch.no_grad(), self.effects.replaying(order), self.default_device_mode, recomputing():
-            for node, g, frees in zip(order, run.node_groups, run.frees):
+        with torch.no_grad(), self.effects.replaying(run.names), self.default_device_mode, recomputing():
+            for node, (node_args, node_kwargs), g, frees in zip(order, run.arguments, run.node_groups, run.frees):
                 if node.name in self.store.extra_nodes:
                     env[node.name] = self._rerun_saving(node, env)
                 else:
-                    env[node.name] = self.effects.run(node, self._load(node.args, env), self._load(node.kwargs, env),
+                    env[node.name] = self.effects.run(node, self._load(node_args, env), self._load(node_kwargs, env),
                                                       recompute=True)
                 if g in storages:
-                    new = _ranked(tensors_of((env[node.name],)), ranks[g])
-                    storages[g] |= {ranks[g][sid]: t for sid, t in new.items()}
+                    by_rank, rank_of = storages[g], ranks[g]
+                    for sid, t in _ranked(tensors_of((env[node.name],)), rank_of).items():
+                        by_rank[rank_of[sid]] = t
                 for name in frees:
                     env.pop(name, None)
         for g in groups:
@@ -540,12 +554,12 @@ class _SideEffects:
         for name in names:
             self.state_before.pop(name, None)
 
-    def replaying(self, order: list[fx.Node]):
-        """Around a recomputation of ``order``: one that replays a draw puts the program's RNG state back
-        after it; one that replays none checks it drew nothing."""
-        if any(node.name in self.rng_states for node in order):
+    def replaying(self, names: frozenset[str]):
+        """Around a recomputation of the fx nodes ``names``: one that replays a draw puts the program's RNG
+        state back after it; one that replays none checks it drew nothing."""
+        if not self.rng_states.keys().isdisjoint(names):
             return _preserved_rng(self.rng)
-        return _drawing_nothing(self.rng, order)
+        return _drawing_nothing(self.rng, names)
 
     def run(self, node: fx.Node, args, kwargs, recompute: bool):
         """Run one fx node; a node of a recomputed value replays its randomness and state writes (NOTE
@@ -555,8 +569,7 @@ class _SideEffects:
             before = rng_state(self.rng) if draws is not False else None
             written = self.written_by(node, args, kwargs)
             if written:  # the state as this call finds it, for the recomputation to start from
-                with torch.no_grad():
-                    self.state_before[node.name] = (written, [_copy(t) for t in written])
+                self.state_before[node.name] = (written, _copies(written))
             learning = node.name not in self.writes_inputs
             if learning:  # an in-place write moves the input's version counter (a view's moves its base's)
                 inputs = tensors_of(args, kwargs)
@@ -580,36 +593,40 @@ class _SideEffects:
         # The state as found, in the buffer's place (NOTE [replaying side effects]): in the modules that hold it
         # and among the call's arguments; through ``.data`` where a module also holds it as a plain attribute;
         # copied in where a view made before the call reads it.
+        # No op but the copies in and back runs here, and those alone need grad mode off (a buffer that requires
+        # grad refuses an in-place write under it).
         inputs = tensors_of(args, kwargs)
-        views = {id(a.untyped_storage()) for a in inputs if all(a is not t for t in written)}
+        written_ids = {id(t) for t in written}
+        views = {id(a.untyped_storage()) for a in inputs if id(a) not in written_ids}
         placed, swapped, copied, given = [], [], [], {}
-        with torch.no_grad():
-            for i, t in enumerate(written):  # one buffer at a time: the copy of the state as found goes
-                if id(t.untyped_storage()) in views:
+        for i, t in enumerate(written):  # one buffer at a time: the copy of the state as found goes
+            if views and id(t.untyped_storage()) in views:
+                with torch.no_grad():
                     copied.append((t, t.detach().clone()))
                     t.copy_(found[i])
-                elif (held := _holders(self.module, self.static, t)) is None:
-                    swapped.append((t, t.data))
-                    t.data = found[i]
-                else:
-                    for m, name in held:
-                        (m or self.module)._buffers[name] = found[i]
-                    placed.append((held, t))
-                    given[id(t)] = found[i]
-                found[i] = None
+            elif (held := _holders(self.module, self.static, t)) is None:
+                swapped.append((t, t.data))
+                t.data = found[i]
+            else:
+                for m, name in held:
+                    (m or self.module)._buffers[name] = found[i]
+                placed.append((held, t))
+                given[id(t)] = found[i]
+            found[i] = None
         if given and not given.keys().isdisjoint(map(id, inputs)):
             args, kwargs = tree_map_only(torch.Tensor, lambda a: given.get(id(a), a), (args, kwargs))
         try:
             return self.call(node, args, kwargs)
         finally:
-            with torch.no_grad():
-                for held, t in placed:
-                    for m, name in held:
-                        (m or self.module)._buffers[name] = t
-                for t, old in copied:
-                    t.copy_(old)
-                for t, old in swapped:
-                    t.data = old
+            for held, t in placed:
+                for m, name in held:
+                    (m or self.module)._buffers[name] = t
+            for t, old in swapped:
+                t.data = old
+            if copied:
+                with torch.no_grad():
+                    for t, old in copied:
+                        t.copy_(old)
 
     def written_by(self, node: fx.Node, args, kwargs) -> list[torch.Tensor]:
         module = self.modules[node.target] if node.op == "call_module" else None
@@ -812,6 +829,7 @@ def _layout(traced: Traced, plan: Plan) -> SimpleNamespace:
     layout = SimpleNamespace(
         discarded=discarded, stage_of=stage_of, order=order, stage_nodes=stage_nodes, held_for=held_for,
         cached_names=cached_names, cache_stages=cache_stages, stage_reads=stage_reads, forward_frees=_frees(order),
+        arguments=[(node.args, node.kwargs) for node in order],
         stage_discarded={s: members(stage & ~plan.kept) for s, stage in enumerate(plan.stages)},
         hooked=hooked, unreached=set(graph.unreached),
         recomputable={name for g in remade for name in traced.members[g]}, recomputations={})
@@ -833,7 +851,9 @@ def _recomputation(traced: Traced, plan: Plan, stage_nodes: dict[int, list[fx.No
     # The values tokens will read stay to the end of the stage; any other goes after its last use there,
     # as the simulator frees it (a value no backward reads: a downsampling branch read by an addition).
     finals = {traced.members[g][-1] for g in members(read)}
-    return SimpleNamespace(order=order, groups=groups, node_groups=[traced.group_of[n.name] for n in order],
+    return SimpleNamespace(order=order, names=frozenset(n.name for n in order), groups=groups,
+                           arguments=[(n.args, n.kwargs) for n in order],
+                           node_groups=[traced.group_of[n.name] for n in order],
                            frees=_frees(order, finals),
                            not_rerun=tuple(name for g in members(discarded & ~made) for name in traced.members[g]))
 
@@ -968,6 +988,16 @@ def _holders(root: torch.nn.Module, static: SimpleNamespace, buffer: torch.Tenso
     return static.holders.get(id(buffer)) or None
 
 
+def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` (a call's state as found), made out of autograd's sight: under ``no_grad`` only
+    where one requires grad (a buffer seldom does, and entering the mode is ten Python calls)."""
+    for t in tensors:
+        if t.requires_grad:
+            with torch.no_grad():
+                return [_copy(t) for t in tensors]
+    return [_copy(t) for t in tensors]
+
+
 def _copy(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t``: of a contiguous one in two ATen ops, where ``clone`` is three (it allocates through a
     nested op); any other (a buffer expanded from one value) as ``clone`` lays it out."""
@@ -977,12 +1007,12 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _drawing_nothing(rng: tuple, order: list[fx.Node]):
+def _drawing_nothing(rng: tuple, names: frozenset[str]):
     """A recomputation that replays no draw must draw nothing (NOTE [what a call needs, found once])."""
     state = rng_state(rng)
     yield
     if not same_rng_state(state, rng_state(rng)):
-        names = ", ".join(node.name for node in order)
+        names = ", ".join(sorted(names))
         raise RuntimeError(f"a recomputation of [{names}] drew random numbers that the same calls did not draw in "
                            "the step that first ran them; a call that draws only on some steps cannot be replayed "
                            "from what the executor learns once (trace the model again after changing it)")

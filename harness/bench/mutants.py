@@ -53,11 +53,11 @@ MUTANTS = [
            ("tests/test_accounting.py::test_predicted_peak_is_the_measured_one_to_the_byte",)),
     Mutant("a recomputed BatchNorm starts from the state its forward call left, and updates it again",
            "harness/execute.py",
-           "                    for m, name in held:\n"
-           "                        (m or self.module)._buffers[name] = found[i]\n"
-           "                    placed.append((held, t))\n"
-           "                    given[id(t)] = found[i]\n",
-           "                    pass\n",
+           "                for m, name in held:\n"
+           "                    (m or self.module)._buffers[name] = found[i]\n"
+           "                placed.append((held, t))\n"
+           "                given[id(t)] = found[i]\n",
+           "                pass\n",
            ("tests/test_any_model.py::test_side_effects_are_replayed_by_mechanism",
             "tests/test_any_model.py::test_a_layer_that_reads_the_state_it_writes_is_recomputed_from_the_state_its_"
             "forward_found")),
