@@ -343,7 +343,7 @@ class _Step:
         fresh = {}  # one alias per fx input: ``q is k`` holds again where it held in the forward pass
 
         def load(a: fx.Node):
-            value = self._load(a, env)
+            value = self._value(a, env)
             if isinstance(value, torch.Tensor) and self.needs_grad.get(a.name) and a.op != "get_attr":
                 if a.name not in fresh:
                     leaf = value.data.requires_grad_()
@@ -362,6 +362,8 @@ class _Step:
         # its module keeps), and each of its saved tensors holds ``keep`` and so this list: emptied, it holds
         # no recomputed value past the rerun.
         captured.clear()
+        if type(value) is torch.Tensor:
+            return value.data
         return fx.node.map_aggregate(value, lambda v: v.data if isinstance(v, torch.Tensor) else v)
 
     def _release_cache(self, g: int):
@@ -373,17 +375,19 @@ class _Step:
     def _load(self, args, local: dict | None = None):
         if not args:  # most calls' keyword arguments: nothing to look up (map_arg is four Python calls)
             return args
+        if type(args) is tuple and len(args) == 1 and type(args[0]) is fx.Node:  # most calls' arguments
+            return (self._value(args[0], local),)
+        return fx.node.map_arg(args, lambda a: self._value(a, local))
 
-        def value(a: fx.Node):
-            if local is not None and a.name in local:
-                return local[a.name]
-            if a.name in self.constants:
-                return self.constants[a.name]
-            if a.name in self.env:
-                return self.env[a.name]
-            assert a.name in self.cache, f"executor bug: {a.name} is neither kept nor recomputed"
-            return self.cache[a.name]
-        return fx.node.map_arg(args, value)
+    def _value(self, a: fx.Node, local: dict | None = None):
+        if local is not None and a.name in local:
+            return local[a.name]
+        if a.name in self.constants:
+            return self.constants[a.name]
+        if a.name in self.env:
+            return self.env[a.name]
+        assert a.name in self.cache, f"executor bug: {a.name} is neither kept nor recomputed"
+        return self.cache[a.name]
 
 
 class _Store:
@@ -574,7 +578,7 @@ class _SideEffects:
             if learning:  # an in-place write moves the input's version counter (a view's moves its base's)
                 inputs = tensors_of(args, kwargs)
                 versions = [t._version for t in inputs]
-            value = self.call(node, args, kwargs)
+            value = call_node(self.module, self.modules, node, args, kwargs)
             if learning:
                 self.writes_inputs[node.name] = any(t._version != v for t, v in zip(inputs, versions))
             if draws is None:
@@ -583,13 +587,13 @@ class _SideEffects:
                 self.rng_states[node.name] = before
             return value
         if not recompute:
-            return self.call(node, args, kwargs)
+            return call_node(self.module, self.modules, node, args, kwargs)
         if node.name in self.rng_states:
             set_rng_state(self.rng_states[node.name])
         # the buffers the forward call found: its inputs' are the same tensors (buffers are never IR values)
         written, found = self.state_before.pop(node.name, ((), ()))
         if not written:
-            return self.call(node, args, kwargs)
+            return call_node(self.module, self.modules, node, args, kwargs)
         # The state as found, in the buffer's place (NOTE [replaying side effects]): in the modules that hold it
         # and among the call's arguments; through ``.data`` where a module also holds it as a plain attribute;
         # copied in where a view made before the call reads it.
@@ -616,7 +620,7 @@ class _SideEffects:
         if given and not given.keys().isdisjoint(map(id, inputs)):
             args, kwargs = tree_map_only(torch.Tensor, lambda a: given.get(id(a), a), (args, kwargs))
         try:
-            return self.call(node, args, kwargs)
+            return call_node(self.module, self.modules, node, args, kwargs)
         finally:
             for held, t in placed:
                 for m, name in held:
@@ -631,9 +635,6 @@ class _SideEffects:
     def written_by(self, node: fx.Node, args, kwargs) -> list[torch.Tensor]:
         module = self.modules[node.target] if node.op == "call_module" else None
         return written_state(self.module, node, args, kwargs, self.buffer_ids, self.written, module)
-
-    def call(self, node: fx.Node, args, kwargs):
-        return call_node(self.module, self.modules, node, args, kwargs)
 
 
 class _Swap:
