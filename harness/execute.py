@@ -73,9 +73,9 @@ needs no ``as_strided``. What is left beside the recomputed layers' own ops is t
 BatchNorm's three buffers take six ops) and the reruns that collect what a layer saves
 (``_rerun_saving``): ``python -m harness.bench.overhead`` measures it against the goal of two ops a
 recomputed call.
-The rest of what a step needs from the trace and the plan (the calls' order, what each call lets go of, which
-calls run inside the hooks, the kept values each stage reads, each recomputation's schedule) is made at the
-plan's first step too (``_layout``, kept with the trace), not worked out again every step.
+The rest of what a step needs from the trace and the plan (the calls' order and arguments, what each call lets
+go of, which calls run inside the hooks, the kept values each stage reads, each recomputation's schedule) is
+made at the plan's first step too (``_layout``, kept with the trace), not worked out again every step.
 
 NOTE [swapping]
 A saved tensor whose storage belongs to a swapped node (``plan.swapped``) is copied to host memory when
