@@ -10,7 +10,8 @@
 #              H200 host-bound: the GPU busy 49%, 53% once the executor's host work per recomputed layer was cut).
 #   figure3    Figure 3's claim: vanilla up to the first batch that does not fit 11.4 GB, then approx_dp (tc)
 #              and chen_sqrt at twice vanilla's largest batch (ResNet-152, PSPNet; F3_NETS=resnet152 for one;
-#              F3_S seconds, 150 by default: on an H100 ResNet-152's five cells take about 130 s).
+#              F3_S seconds, 150 by default: on an H200 ResNet-152's five cells took 112 s), 15 timed steps a
+#              point (5 left IQRs of 7-26% on the H200, where 15 gave the eager stage's vanilla 0.2%).
 #   max_batch  the largest batch in 80 GB of chen_sqrt and approx_dp (tc, mc) on ResNet-50 and ResNet-152, each
 #              search starting from meta's answer (results/rows_max_batch_meta), its probes memory-only.
 #   eager      ResNet-152 at batch 128, eager, 15 timed steps: vanilla, approx_dp (tc) at 6.0 GB,
@@ -83,7 +84,7 @@ for name in $STAGES; do
         stage 120 "$PS $WORK/profile_tc6 resnet152 approx_dp --budget 6GB --trace && gzip -f $WORK/profile_tc6.json \
             && $PS $WORK/profile_chen resnet152 chen_sqrt && $PS $WORK/profile_vanilla resnet152 vanilla" ;;
     figure3)
-        F3="python3 -m harness.bench.figure3 --device $DEVICE --memory 11.4GB --rows $ROWS/figure3"
+        F3="python3 -m harness.bench.figure3 --device $DEVICE --memory 11.4GB --timed-steps 15 --rows $ROWS/figure3"
         PSP="$F3 $WORK/f3c --nets pspnet --curves vanilla --batches 1,2,3 \
             && $F3 $WORK/f3d --nets pspnet --curves 'approx_dp (tc),chen_sqrt' --batches 4"
         case ${F3_NETS:-resnet152,pspnet} in *pspnet*) ;; *) PSP=true ;; esac
