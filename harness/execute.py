@@ -596,9 +596,8 @@ class _SideEffects:
             return call_node(self.module, self.modules, node, args, kwargs)
         # The state as found, in the buffer's place (NOTE [replaying side effects]): in the modules that hold it
         # and among the call's arguments; through ``.data`` where a module also holds it as a plain attribute;
-        # copied in where a view made before the call reads it.
-        # No op but the copies in and back runs here, and those alone need grad mode off (a buffer that requires
-        # grad refuses an in-place write under it).
+        # copied in where a view made before the call reads it. Only those copies in and back run ops, and only
+        # they need grad mode off (a buffer that requires grad refuses an in-place write under it).
         inputs = tensors_of(args, kwargs)
         written_ids = {id(t) for t in written}
         views = {id(a.untyped_storage()) for a in inputs if id(a) not in written_ids}

@@ -66,7 +66,7 @@ NOTE [grad mode]
 torch.fx records calls, not the grad mode they ran in: a ``with torch.no_grad():`` block in a forward (an
 EMA update, a codebook assignment, a statistic used as a constant) would run with autograd on, and
 gradients would flow where the model sends none. The tracer notes each node made while grad mode is off
-(``node.meta["no_grad"]``), and every runner runs it so: the probe, the executor (``grad_mode``) and the
+(``node.meta["no_grad"]``), and every runner runs it so: the probe (``grad_mode``), the executor (``call_node``), the
 compiled path, whose fx module turns the mode off around it (``marked_module`` in ``harness/compiled.py``;
 its marks, the values themselves, run with the mode on, so a write under ``no_grad`` cuts no gradient).
 
