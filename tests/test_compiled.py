@@ -232,8 +232,48 @@ def test_a_compiled_plan_over_its_budget_is_solved_again_for_what_the_compiler_h
     assert row["predicted_peak_bytes"] <= budget - excess[0] and row["measured_peak_bytes"] <= budget
     excess[0] = budget - least + 2**20  # the budget less the excess is below the least any plan holds
     tight = run_cell("resnet50", "approx_dp", budget=budget, compile=True, **cell)
-    assert tight["status"] == "infeasible" and "besides the plan's prediction" in tight["error"]
+    assert tight["status"] == "infeasible" and "besides the plan's eager run" in tight["error"]
     assert tight["min_feasible_bytes"] > budget
+
+
+def test_a_compiled_plan_over_its_budget_by_the_devices_reserve_alone_is_not_solved_again(monkeypatch):
+    """On cuda the same plan run eager carries the device's reserve over the replay's count as well: a compiled
+    peak over the budget by no more than the eager run's is the device's, the row says so and nothing is
+    compiled again; a byte more and the cell is solved again for that byte."""
+    import harness.run
+
+    measure_built, build_cell = harness.run._measure_built, harness.run.build_cell
+    builds = []
+
+    def planted(row, cell):
+        eager = SimpleNamespace(**{**vars(cell), "step": lambda: execute(cell.traced, cell.plan, cell.example_input,
+                                                                          loss_fn=cell.loss_fn)})
+        measured = measure_built({**row, "compiled": False}, eager)
+        return {**measured, "measured_peak_bytes": measured["measured_peak_bytes"] + compiled_over[0]}
+
+    def counted(row):
+        builds.append(row["budget_bytes"])
+        return build_cell(row)
+
+    cell = dict(batch_size=2, image_size=64, options={"mode": "tc"})
+    least = run_cell("resnet50", "approx_dp", budget=1, **cell)["min_feasible_bytes"]
+    vanilla = run_cell("resnet50", "vanilla", batch_size=2, image_size=64)
+    budget = (least + vanilla["predicted_peak_bytes"]) // 2
+    eager = run_cell("resnet50", "approx_dp", budget=budget, **cell)
+    reserve = budget - eager["predicted_peak_bytes"] + 2**20  # the step measures a MiB over its budget
+    compiled_over = [reserve]
+    monkeypatch.setattr(harness.run, "_measure_built", planted)
+    monkeypatch.setattr(harness.run, "build_cell", counted)
+    monkeypatch.setattr(harness.run, "_eager_peak", lambda row, cell, predicted: predicted + reserve)
+    row = run_cell("resnet50", "approx_dp", budget=budget, compile=True, **cell)
+    assert row["status"] == "ok", row.get("error")
+    assert row["measured_peak_bytes"] > budget and builds == [budget]
+    assert row["device_reserve_bytes"] == reserve and "compile_excess_bytes" not in row
+    builds.clear()
+    compiled_over[0] = reserve + 1
+    row = run_cell("resnet50", "approx_dp", budget=budget, compile=True, **cell)
+    assert row["status"] == "ok", row.get("error")
+    assert builds == [budget, budget - 1] and row["compile_excess_bytes"] == 1
 
 
 def test_compiled_rows(tmp_path):
