@@ -18,13 +18,14 @@
 #              torch_checkpoint_blocks and chen_sqrt: the executor's time against PyTorch's own recomputation,
 #              each beside its GPU kernel time (EAGER_S seconds, 150 by default).
 #   compiled   ResNet-152 at batch 128, compiled, 15 timed steps: vanilla and approx_dp (tc) at 8.6 and 12.8 GB
-#              (COMPILED_S seconds, 330 by default: a plan over its budget on the device is solved and
-#              compiled again, so one cell may take two compiles, over 200 s).
+#              (COMPILED_S seconds, 330 by default: about 100 s a cell; a plan over its budget on the device
+#              by more than its eager run's reserve is solved and compiled again, one cell then two compiles).
 #   frontier   ResNet-152 at batch 128: vanilla eager and compiled, approx_dp (tc) eager and compiled at 6.0,
 #              8.6 and 12.8 GB (the frontier's goals; DP_BUDGETS=6.0GB for fewer).
 #   cost       what a cost model of measured layer times changes (harness.bench.cost_models): ResNet-152 at batch
 #              128, approx_dp (tc) at 3 budgets under the paper's, the FLOPs' and the measured costs, eager.
-#   peer       the compile peer's ratios on ResNet-152 at batch 128 (RATIOS, default 0.5,0.2,0,0.8,1).
+#   peer       the compile peer's ratios on ResNet-152 at batch 128 (RATIOS, default 0.5,0.2,0,0.8,1; PEER_S
+#              seconds, 460 by default), 15 timed steps, in the compiled stage's table beside its points.
 #   tests      the tests marked gpu (GPU_TESTS: which files or tests).
 # Each stage has a deadline; every cell writes its row as it ends and a later run resumes from the rows there,
 # so a stage cut short keeps what it measured. Everything lands in $OUT/gpu_checks.tgz (rows, tables, profiles,
@@ -93,9 +94,9 @@ for name in $STAGES; do
     eager)
         stage "${EAGER_S:-150}" "$FR15 $WORK/time_eager --strategies approx_dp,torch_checkpoint_blocks,chen_sqrt \
             --dp-budgets 6.0GB --modes eager" ;;
-    compiled)
-        stage "${COMPILED_S:-330}" "$FR15 $WORK/time_compiled --strategies approx_dp --dp-budgets 8.6GB,12.8GB \
-            --modes compiled" ;;
+    compiled)  # vanilla first: the plans' ratios are to it, in the same run
+        stage "${COMPILED_S:-330}" "$FR15 $WORK/time_compiled --strategies vanilla --modes compiled \
+            && $FR15 $WORK/time_compiled --strategies approx_dp --dp-budgets 8.6GB,12.8GB --modes compiled" ;;
     max_batch)
         stage "${MAX_BATCH_S:-300}" "python3 -m harness.bench.max_batch $WORK/max_batch --device $DEVICE --memory 80GB \
             --nets resnet50,resnet152 --strategies chen_sqrt,approx_dp --guess-from results/rows_max_batch_meta \
@@ -105,8 +106,9 @@ for name in $STAGES; do
     cost)
         stage 200 "python3 -m harness.bench.cost_models $WORK/cost_models_cuda --device cuda --points 3 \
             --rows $ROWS/cost_models" ;;
-    peer)
-        stage 460 "$FR $WORK/frp --strategies torch_compile_budget --ratios ${RATIOS:-0.5,0.2,0,0.8,1}" ;;
+    peer)  # beside the compiled stage's points (its rows resumed), for the domination lines
+        stage "${PEER_S:-460}" "$FR15 $WORK/time_compiled --strategies approx_dp,torch_compile_budget \
+            --dp-budgets 8.6GB,12.8GB --modes compiled --ratios ${RATIOS:-0.5,0.2,0,0.8,1}" ;;
     tests)
         stage 130 "python3 -m pytest -q -p no:cacheprovider -m gpu \
             ${GPU_TESTS:-tests/test_measure.py tests/test_swap.py tests/test_gpu.py}" ;;
