@@ -9,9 +9,10 @@ relaxation of it, quantities the replay never comes in under:
 - cost: a discarded value that a backward which runs reads (the loss's too), or whose layer saved an extra,
   is recomputed, and so is each discarded value it is made from (they share its stage);
 - memory, at moments every plan's step passes through, besides the loss's value and seed:
-  - before each layer's backward, whatever the stages: the kept values its backward or an ancestor's still
-    reads, those layers' kept extras, the parameter gradients its descendants' backwards made (held to the
-    step's end), and the gradients they made, in buffers of their own, for it and its ancestors;
+  - before each layer's backward, whatever the stages: what its backward reads and its layer's extras, kept or
+    recomputed, the kept values an ancestor's backward still reads, those layers' kept extras, the parameter
+    gradients its descendants' backwards made (held to the step's end), and the gradients they made, in
+    buffers of their own, for it and its ancestors;
   - as stage ``i``'s backward begins: the kept values a backward of stage ``i`` or earlier reads, the kept
     extras of those stages, and the parameter gradients of later stages;
   - once stage ``i``'s recomputation is done (all at once, by the first backward that needs one: NOTE [what a
@@ -29,10 +30,24 @@ starts from the better of ``approx_dp``'s and ``exact_dp``'s plans at the budget
 the time), so it is never worse than those it found. Stages are numbered up to ``n - 1`` (a plan has at most one
 per node): a bound over fewer stages would not bound every plan. Tests hold the relaxation below the replay on the
 zoo nets' plans, and the optimum equal to brute force over every plan of small graphs.
+
+NOTE [kept sets first]
+The cost depends on the kept set alone (a discarded value shares its readers' stage), and so does the first
+moment above. So the search runs on the model without stages first (n kept flags; a solve takes well under a
+second on the zoo), as a logic-based Benders decomposition: the cheapest kept set it holds, cheaper than the best
+plan, is tried with its finest stages (``finest``), and where the replay puts those over the budget, the model
+with stages is asked for stages that fit with those kept flags (as assumptions; each plan it proposes is
+replayed, and cut where it does not fit). A plan that fits costs what its kept set costs, the least any plan the
+model without stages still holds costs: proven optimal. Where the model with stages holds none, CP-SAT names a
+subset of the flags that no plan has together (its core), and the model without stages excludes them. Where its
+bound already reaches the DPs' best plan, that plan is proven with no stage searched (GoogLeNet at three of four
+budgets). After half the time the search goes on as above, over the model with stages, its cost held at or above
+the bound found so far.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import time
@@ -80,12 +95,42 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
             budget_bytes = prediction.peak_bytes
         if prediction.peak_bytes <= budget_bytes and prediction.overhead_cost < best_cost:
             best, best_cost = seed, prediction.overhead_cost
-    model = _Relaxation(cp_model, graph, budget_bytes)
-    if best is not None:
-        model.hint(best)
+    deadline = start + options.time_limit_s
+    kept_only = _Relaxation(cp_model, graph, budget_bytes, stages=False)
+    staged = None  # the model with stages, built when a kept set needs them
     status, cuts = "optimal", 0
+    # First the kept sets, cheapest first (NOTE [kept sets first]), for half the time left.
+    first_until = time.perf_counter() + (deadline - time.perf_counter()) / 2
     while True:
-        left = options.time_limit_s - (time.perf_counter() - start)
+        found = kept_only.cheapest(best_cost, first_until - time.perf_counter(), options.workers)
+        if found is None or found == "timeout":
+            break
+        kept = found[1]
+        plan = finest(graph, kept, budget_bytes)
+        cuts += 1
+        if simulate(graph, plan).peak_bytes > budget_bytes:
+            staged = staged or _Relaxation(cp_model, graph, budget_bytes)
+            plan, replayed = staged.stages_for(kept, first_until, options.workers)
+            cuts += replayed
+            if plan is None:  # no stages fit these kept flags: the core of them goes
+                kept_only.exclude(staged.core)
+                continue
+            if plan == "timeout":
+                found = plan
+                break
+        cost = simulate(graph, plan).overhead_cost
+        if cost < best_cost:  # the least any plan costs: the next kept set, cheaper still, is not there
+            best, best_cost = plan, cost
+        else:
+            kept_only.exclude([(v, bool(kept >> v & 1)) for v in range(len(graph))])
+    model = kept_only
+    if found == "timeout":  # then every plan, stages and all, from the kept sets' bound
+        model = staged or _Relaxation(cp_model, graph, budget_bytes)
+        model.at_least(kept_only.bound)
+        if best is not None:
+            model.hint(best)
+    while model is not kept_only:
+        left = deadline - time.perf_counter()
         found = model.cheapest(best_cost, left, options.workers) if left > 0 else "timeout"
         if found is None:  # no plan the model holds is cheaper than the best: proven
             break
@@ -122,10 +167,10 @@ def _seed(name: str, graph: Graph, budget_bytes: int | None, time_limit_s: float
 class _Relaxation:
     """The CP-SAT model of NOTE [a proven optimum in the replay's accounting]; ``cut`` removes one plan."""
 
-    def __init__(self, cp_model, graph: Graph, budget_bytes: int):
-        self.cp_model, self.graph = cp_model, graph
+    def __init__(self, cp_model, graph: Graph, budget_bytes: int, stages: bool = True):
+        self.cp_model, self.graph, self.budget_bytes = cp_model, graph, budget_bytes
         n = len(graph)
-        self.K = K = n
+        self.K = K = n if stages else 1
         model = self.model = cp_model.CpModel()
         clause = self._clause
         # ge[v][i]: s_v >= i, the order encoding of each node's stage (ge[v][0] is True, ge[v][K] False).
@@ -180,22 +225,25 @@ class _Relaxation:
         own_gradient = [{u: graph.reached[u] and u not in graph.preds_without_grad[x]
                          and not any(u in shared for shared, _ in graph.grad_shares[x])
                          for u in graph.preds[x]} for x in range(n)]
-        # Before each layer's backward, whatever the stages: the kept values a backward of it or of an ancestor
-        # still reads, the kept extras of those layers, and the parameter gradients its descendants made.
+        # Before each layer's backward, whatever the stages: what its backward reads, kept or recomputed, the
+        # kept values a backward of an ancestor still reads, the kept extras of those layers, and the parameter
+        # gradients its descendants made.
         for v in range(n):
             if not graph.reached[v]:
                 continue
             before = graph.ancestor_mask[v]  # v and its ancestors
-            live = [size[u] * kept[u] for u in read if any(before >> w & 1 for w in readers[u])]
-            live += [extra[u] * kept[u] for u in extras if before >> u & 1]
+            live = [size[u] if v in readers[u] else size[u] * kept[u]
+                    for u in read if any(before >> w & 1 for w in readers[u])]
+            live += [extra[u] if u == v else extra[u] * kept[u] for u in extras if before >> u & 1]
             ran = [x for x in range(v + 1, n) if graph.ancestor_mask[x] >> v & 1 and graph.reached[x]]
             made = sum(graph.param_bytes[x] for x in ran)
             # The gradients those backwards made in buffers of their own for v and its ancestors, whose own
             # backward is still to come (a buffer handed on as another value's gradient is counted once).
             made += sum(size[u] for u in members_of(before) if any(own_gradient[x].get(u) for x in ran))
             self._at_most(sum(live) + made + held, budget_bytes)
+        self.bound = 0.0
         earlier = {}  # kept value -> it is kept and a backward of an earlier stage reads it
-        for i in range(K):
+        for i in range(K if stages else 0):
             grads = sum(p * ge[v][i + 1] for v, p in params)  # parameter gradients of later stages
             # to_come[w]: a node of stage i from w on recomputes the stage, so the backward of a node of stage i
             # before w comes after that recomputation.
@@ -247,7 +295,6 @@ class _Relaxation:
                 kept_extras.append(extra[u] * d)
             self._at_most(sum(size[u] * y for u, y in now.items()) + sum(kept_extras) + grads + held, budget_bytes)
             earlier = now
-        self.bound = 0.0
 
     def _clause(self, literals) -> None:
         """At least one of ``literals`` (CP-SAT literals, or Python bools for the fixed ends of the encoding)."""
@@ -277,6 +324,57 @@ class _Relaxation:
         """Remove ``plan`` from the model (no other plan has its assignment)."""
         self.model.AddBoolOr([var.Not() if value else var for var, value in self._assignment(plan)])
 
+    def least(self, time_limit_s: float, workers: int) -> float | None:
+        """The least cost the solver proves no plan the model holds beats within the time (None: the model holds
+        no plan)."""
+        solver = self._solver(time_limit_s, workers)
+        status = solver.Solve(self.model)
+        if status == self.cp_model.INFEASIBLE:
+            return None
+        self.bound = solver.BestObjectiveBound() / self.scale
+        return self.bound
+
+    def stages_for(self, kept: int, until: float, workers: int):
+        """A plan with the kept set ``kept`` that the replay fits in the budget, and how many plans were
+        replayed: (plan, count); (None, count) where the model holds none, ``core`` then naming kept flags
+        that no plan has together; ("timeout", count) at ``until``. Plans replayed over the budget are cut."""
+        literals = [k if kept >> v & 1 else k.Not() for v, k in enumerate(self.kept)]
+        replayed = 0
+        self.model.ClearAssumptions()
+        self.model.AddAssumptions(literals)
+        try:
+            while True:
+                solver = self._solver(until - time.perf_counter(), workers)
+                status = solver.Solve(self.model)
+                if status == self.cp_model.INFEASIBLE:
+                    core = set(solver.SufficientAssumptionsForInfeasibility())
+                    self.core = [(v, bool(kept >> v & 1)) for v, x in enumerate(literals) if x.Index() in core]
+                    return None, replayed
+                if status not in (self.cp_model.OPTIMAL, self.cp_model.FEASIBLE) or time.perf_counter() >= until:
+                    return "timeout", replayed
+                plan = self._plan(solver)
+                replayed += 1
+                if simulate(self.graph, plan).peak_bytes <= self.budget_bytes:
+                    return plan, replayed
+                self.cut(plan)
+        finally:
+            self.model.ClearAssumptions()
+
+    def exclude(self, flags: list[tuple[int, bool]]) -> None:
+        """No plan has all these (node, kept) flags."""
+        self.model.AddBoolOr([self.kept[v].Not() if value else self.kept[v] for v, value in flags])
+
+    def at_least(self, cost: float) -> None:
+        """No plan costs less than ``cost`` (a bound proven by another model)."""
+        self.model.Add(self.cost >= math.ceil(cost * self.scale - 1e-9))
+        self.bound = cost
+
+    def _solver(self, time_limit_s: float, workers: int):
+        solver = self.cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = max(time_limit_s, 1e-3)
+        solver.parameters.num_workers = workers
+        return solver
+
     def cheapest(self, below: float, time_limit_s: float, workers: int):
         """The stages and kept set of a plan of least relaxed cost among those the model holds whose cost may be
         under ``below`` (None: there is none; "timeout": none found in the time, ``bound`` then holds what the
@@ -284,9 +382,7 @@ class _Relaxation:
         cp_model = self.cp_model
         if math.isfinite(below):  # floor(x * scale) < ceil(below * scale) for every cost x < below
             self.model.Add(self.cost <= math.ceil(below * self.scale) - 1)
-        solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = time_limit_s
-        solver.parameters.num_workers = workers
+        solver = self._solver(time_limit_s, workers)
         status = solver.Solve(self.model)
         if status == cp_model.MODEL_INVALID:
             raise RuntimeError(f"optimal: CP-SAT refused the model: {self.model.Validate()}")
@@ -296,11 +392,82 @@ class _Relaxation:
         self.proposed = solver.ObjectiveValue() / self.scale
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return "timeout"
+        plan = self._plan(solver)
+        return plan.stages, plan.kept
+
+    def _plan(self, solver) -> Plan:
         n = len(self.graph)
         stage = [sum(solver.BooleanValue(self.ge[v][i]) for i in range(1, self.K)) for v in range(n)]
         stages = [bits(v for v in range(n) if stage[v] == s) for s in range(max(stage) + 1)]
         kept = bits(v for v in range(n) if solver.BooleanValue(self.kept[v]))
-        return stages, kept
+        return Plan.from_stages(self.graph, stages, kept=kept, strategy="optimal", budget_bytes=self.budget_bytes)
+
+
+def finest(graph: Graph, kept: int, budget_bytes: int | None = None) -> Plan:
+    """The plan with the kept set ``kept`` and the most stages: a reader of a discarded value shares its stage and
+    stages follow the edges, so each stage is one strongly connected component of the edges and those readers'
+    edges back, the components in topological order (the one with the earliest node first)."""
+    n = len(graph)
+    out, into = [list(graph.succs[u]) for u in range(n)], [list(graph.preds[v]) for v in range(n)]
+    for u in members_of(graph.all_nodes & ~kept):
+        for v in graph.succs[u]:
+            out[v].append(u)
+            into[u].append(v)
+    component = _components(out, into)
+    count = max(component) + 1
+    nodes, after, waiting = [0] * count, [set() for _ in range(count)], [set() for _ in range(count)]
+    for u in range(n):
+        nodes[component[u]] |= 1 << u
+        for v in out[u]:
+            if component[u] != component[v]:
+                after[component[u]].add(component[v])
+                waiting[component[v]].add(component[u])
+    ready = [(_lowest(nodes[c]), c) for c in range(count) if not waiting[c]]
+    heapq.heapify(ready)
+    stages = []
+    while ready:
+        _, c = heapq.heappop(ready)
+        stages.append(nodes[c])
+        for d in after[c]:
+            waiting[d].discard(c)
+            if not waiting[d]:
+                heapq.heappush(ready, (_lowest(nodes[d]), d))
+    return Plan.from_stages(graph, stages, kept=kept, strategy="optimal", budget_bytes=budget_bytes)
+
+
+def _lowest(mask: int) -> int:
+    return (mask & -mask).bit_length() - 1
+
+
+def _components(out: list[list[int]], into: list[list[int]]) -> list[int]:
+    """Each node's strongly connected component (Kosaraju's two passes, without recursion)."""
+    n, finished, seen = len(out), [], [False] * len(out)
+    for root in range(n):
+        if seen[root]:
+            continue
+        seen[root], stack = True, [(root, iter(out[root]))]
+        while stack:
+            v, rest = stack[-1]
+            for w in rest:
+                if not seen[w]:
+                    seen[w] = True
+                    stack.append((w, iter(out[w])))
+                    break
+            else:
+                stack.pop()
+                finished.append(v)
+    component, count = [-1] * n, 0
+    for root in reversed(finished):
+        if component[root] >= 0:
+            continue
+        component[root], stack = count, [root]
+        while stack:
+            for w in into[stack.pop()]:
+                if component[w] < 0:
+                    component[w] = count
+                    stack.append(w)
+        count += 1
+    return component
 
 
 def nothing_reads(graph: Graph) -> int:

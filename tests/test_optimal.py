@@ -16,7 +16,7 @@ from strategies.lower_sets import all_lower_sets
 from test_dp import small_dags
 
 cp_model = pytest.importorskip("ortools.sat.python.cp_model")
-from strategies.optimal import _Relaxation, nothing_reads  # noqa: E402
+from strategies.optimal import _Relaxation, finest, nothing_reads  # noqa: E402
 
 
 def every_plan(graph):
@@ -58,6 +58,39 @@ def test_the_optimum_is_brute_force_over_every_plan_and_never_above_exact_dp(gra
     assert prediction.overhead_cost <= simulate(graph, exact).overhead_cost
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_dags(max_nodes=5))
+def test_finest_splits_a_kept_set_into_the_most_stages_any_plan_with_it_has(graph):
+    most = {}
+    for plan in every_plan(graph):
+        most[plan.kept] = max(most.get(plan.kept, 0), len(plan.stages))
+    for kept, count in most.items():
+        plan = finest(graph, kept)
+        assert plan.kept == kept and len(plan.stages) == count
+        assert all(graph.is_lower_set(sum(plan.stages[:i + 1])) for i in range(len(plan.stages)))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_dags(max_nodes=5), st.data())
+def test_no_plan_that_fits_has_the_kept_flags_the_search_excludes(graph, data):
+    """The kept sets first (NOTE [kept sets first]): each core of flags the search takes out of the model without
+    stages is one that no plan fitting the budget has."""
+    excluded, exclude = [], _Relaxation.exclude
+    plans = list(every_plan(graph))
+    budget = data.draw(st.sampled_from(sorted({simulate(graph, plan).peak_bytes for plan in plans})))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_Relaxation, "exclude", lambda self, flags: (excluded.append(flags), exclude(self, flags)))
+        solve("optimal", graph, budget, time_limit_s=60)
+    fitting = [plan.kept for plan in plans if simulate(graph, plan).peak_bytes <= budget]
+    for flags in excluded:
+        assert not any(all(bool(kept >> v & 1) == value for v, value in flags) for kept in fitting), flags
+        model = _Relaxation(cp_model, graph, budget, stages=False)  # and the model no longer holds them
+        model.exclude(flags)
+        for v, value in flags:
+            model.model.Add(model.kept[v] == int(value))
+        assert cp_model.CpSolver().Solve(model.model) == cp_model.INFEASIBLE
+
+
 def fixed(graph, plan, budget):
     """The relaxation with ``plan``'s stages and kept set: (whether it fits ``budget``, its least cost)."""
     model = _Relaxation(cp_model, graph, budget)
@@ -93,6 +126,21 @@ def test_vgg19_s_least_budget_is_proven_optimal_at_approx_dp_s_plan():
     assert plan.budget_bytes == simulate(graph, approx).peak_bytes
     assert plan.info["optimal_status"] == "optimal" and plan.info["gap"] == 0
     assert simulate(graph, plan).overhead_cost == simulate(graph, approx).overhead_cost
+
+
+def test_the_model_without_stages_proves_googlenet_s_plan_optimal_with_no_stage_searched():
+    """At a quarter of the way from tc's least budget to vanilla's peak, the least cost of any kept set whose
+    stage-free memory fits reaches the DPs' plan: proven with no plan proposed and replayed."""
+    from harness.run import traced_net
+    graph = traced_net("googlenet").traced.graph
+    least, vanilla = (simulate(graph, solve(name, graph)).peak_bytes for name in ("approx_dp", "vanilla"))
+    budget = least + (vanilla - least) // 4
+    plan = solve("optimal", graph, budget, time_limit_s=10)  # the model with stages alone takes 40 s
+    assert plan.info["optimal_status"] == "optimal" and plan.info["plans_replayed"] == 0
+    approx, prediction = simulate(graph, solve("approx_dp", graph, budget)), simulate(graph, plan)
+    assert prediction.peak_bytes <= budget and prediction.overhead_cost == plan.info["lower_bound"]
+    assert _Relaxation(cp_model, graph, budget, stages=False).least(10, 1) == prediction.overhead_cost
+    assert prediction.overhead_cost < approx.overhead_cost  # exact_dp's plan, cheaper than approx_dp's
 
 
 def test_the_optimal_plan_runs_exactly_and_within_its_budget(tmp_path):
