@@ -34,7 +34,8 @@
 # On an H200 the rows of results/rows_h200 are copied in first, so a cell measured there is not run again
 # (run_cell's resume) and a run goes on where the last one stopped; EAGER_AGAIN=1 leaves out the eager
 # rows among them but max_batch's (memory only), so that the stages time those again (after a change to the
-# executor's host work).
+# executor's host work); COMPILED_AGAIN=1 leaves out the compiled rows of time/, so that the compiled stage
+# compiles vanilla in the same run as the plans it is the ratio's base for.
 # DEVICE=meta rehearses it here (the same commands on meta; the gpu tests skip; no profile).
 set -u
 DEVICE=${DEVICE:-cuda}
@@ -73,6 +74,9 @@ if [ "$DEVICE" = cuda ] && [ "$CARD" = "NVIDIA H200" ]; then
     if [ "${EAGER_AGAIN:-0}" = 1 ]; then
         # the compiled rows end in __cuda__compiled.json; max_batch's probes time nothing (--timed-steps 0)
         find "$ROWS" -path "$ROWS/max_batch" -prune -o -name '*__cuda.json' -print0 | xargs -0 rm -f
+    fi
+    if [ "${COMPILED_AGAIN:-0}" = 1 ]; then  # compiled vanilla timed again, in the same run as the plans
+        rm -f "$ROWS"/time/*__cuda__compiled.json
     fi
 fi
 STAGES=${*:-profile figure3 max_batch frontier cost peer tests}
