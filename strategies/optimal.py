@@ -107,8 +107,9 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
             break
         kept = found[1]
         plan = finest(graph, kept, budget_bytes)
+        prediction = simulate(graph, plan)
         cuts += 1
-        if simulate(graph, plan).peak_bytes > budget_bytes:
+        if prediction.peak_bytes > budget_bytes:
             staged = staged or _Relaxation(cp_model, graph, budget_bytes)
             plan, replayed = staged.stages_for(kept, first_until, options.workers)
             cuts += replayed
@@ -118,7 +119,8 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
             if plan == "timeout":
                 found = plan
                 break
-        cost = simulate(graph, plan).overhead_cost
+            prediction = simulate(graph, plan)
+        cost = prediction.overhead_cost
         if cost < best_cost:  # the least any plan costs: the next kept set, cheaper still, is not there
             best, best_cost = plan, cost
         else:
@@ -323,16 +325,6 @@ class _Relaxation:
     def cut(self, plan: Plan) -> None:
         """Remove ``plan`` from the model (no other plan has its assignment)."""
         self.model.AddBoolOr([var.Not() if value else var for var, value in self._assignment(plan)])
-
-    def least(self, time_limit_s: float, workers: int) -> float | None:
-        """The least cost the solver proves no plan the model holds beats within the time (None: the model holds
-        no plan)."""
-        solver = self._solver(time_limit_s, workers)
-        status = solver.Solve(self.model)
-        if status == self.cp_model.INFEASIBLE:
-            return None
-        self.bound = solver.BestObjectiveBound() / self.scale
-        return self.bound
 
     def stages_for(self, kept: int, until: float, workers: int):
         """A plan with the kept set ``kept`` that the replay fits in the budget, and how many plans were

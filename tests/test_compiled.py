@@ -205,19 +205,22 @@ def test_compiled_plans_hold_what_the_eager_plan_holds_within_the_budget(net):
         assert compiled < compiled_vanilla_peak
 
 
+def eager_plus(measure_built, over: list[int]):
+    """A ``_measure_built`` that runs each compiled cell's plan eager and measures it ``over[0]`` bytes higher:
+    the compiler's (or the device's) excess, planted."""
+    def planted(row, cell):
+        eager = SimpleNamespace(**{**vars(cell), "step": lambda: execute(cell.traced, cell.plan, cell.example_input,
+                                                                          loss_fn=cell.loss_fn)})
+        measured = measure_built({**row, "compiled": False}, eager)
+        return {**measured, "measured_peak_bytes": measured["measured_peak_bytes"] + over[0]}
+    return planted
+
+
 def test_a_compiled_plan_over_its_budget_is_solved_again_for_what_the_compiler_holds(monkeypatch):
     """The compiler's excess over the plan's replay is planted (each plan runs eager, measured, plus the excess):
     the cell is solved again with the excess off its budget, and the row says so; where nothing fits that, the
     row is infeasible, naming the least budget a compiled plan needs."""
     import harness.run
-
-    measure_built = harness.run._measure_built
-
-    def planted(row, cell):
-        eager = SimpleNamespace(**{**vars(cell), "step": lambda: execute(cell.traced, cell.plan, cell.example_input,
-                                                                          loss_fn=cell.loss_fn)})
-        measured = measure_built({**row, "compiled": False}, eager)
-        return {**measured, "measured_peak_bytes": measured["measured_peak_bytes"] + excess[0]}
 
     cell = dict(batch_size=2, image_size=64, options={"mode": "tc"})
     least = run_cell("resnet50", "approx_dp", budget=1, **cell)["min_feasible_bytes"]
@@ -225,7 +228,7 @@ def test_a_compiled_plan_over_its_budget_is_solved_again_for_what_the_compiler_h
     assert vanilla["status"] == "ok", vanilla.get("error")
     budget = (least + vanilla["predicted_peak_bytes"]) // 2
     excess = [(budget - least) // 4]
-    monkeypatch.setattr(harness.run, "_measure_built", planted)
+    monkeypatch.setattr(harness.run, "_measure_built", eager_plus(harness.run._measure_built, excess))
     row = run_cell("resnet50", "approx_dp", budget=budget, compile=True, **cell)
     assert row["status"] == "ok", row.get("error")
     assert row["compile_excess_bytes"] == excess[0] and row["plan_budget_bytes"] == budget - excess[0]
@@ -242,14 +245,7 @@ def test_a_compiled_plan_over_its_budget_by_the_devices_reserve_alone_is_not_sol
     compiled again; a byte more and the cell is solved again for that byte."""
     import harness.run
 
-    measure_built, build_cell = harness.run._measure_built, harness.run.build_cell
-    builds = []
-
-    def planted(row, cell):
-        eager = SimpleNamespace(**{**vars(cell), "step": lambda: execute(cell.traced, cell.plan, cell.example_input,
-                                                                          loss_fn=cell.loss_fn)})
-        measured = measure_built({**row, "compiled": False}, eager)
-        return {**measured, "measured_peak_bytes": measured["measured_peak_bytes"] + compiled_over[0]}
+    build_cell, builds = harness.run.build_cell, []
 
     def counted(row):
         builds.append(row["budget_bytes"])
@@ -262,7 +258,7 @@ def test_a_compiled_plan_over_its_budget_by_the_devices_reserve_alone_is_not_sol
     eager = run_cell("resnet50", "approx_dp", budget=budget, **cell)
     reserve = budget - eager["predicted_peak_bytes"] + 2**20  # the step measures a MiB over its budget
     compiled_over = [reserve]
-    monkeypatch.setattr(harness.run, "_measure_built", planted)
+    monkeypatch.setattr(harness.run, "_measure_built", eager_plus(harness.run._measure_built, compiled_over))
     monkeypatch.setattr(harness.run, "build_cell", counted)
     monkeypatch.setattr(harness.run, "_eager_peak", lambda row, cell, predicted: predicted + reserve)
     row = run_cell("resnet50", "approx_dp", budget=budget, compile=True, **cell)
