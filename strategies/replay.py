@@ -716,6 +716,21 @@ def _after_members(graph: Graph, v: int) -> list[int]:
     return [u for u in graph.preds[v] if u not in graph.early_grads[v]]
 
 
+def backward_holds(graph: Graph, v: int) -> tuple[int, int | None]:
+    """What the backward of ``v``'s layer holds, whatever the plan, above what was live as it began: at the step
+    that makes its gradients, the lesser of the two peaks that step may be brought to (NOTE [a layer's backward
+    peak]; 0 where not measured); and where its in-place members run their backward first, at their step (which
+    may read ``v``'s value last), their working gradients, else None."""
+    work = _working(graph, v)
+    first = work if _in_place_first(graph, v, work) else None
+    if graph.backward_peak_bytes is None:
+        return 0, first
+    peak = graph.backward_peak_bytes[v]
+    if graph.backward_frees is not None and graph.backward_frees[v][0]:
+        peak = min(peak, graph.backward_frees[v][1])
+    return max(peak, 0), first
+
+
 def _working(graph: Graph, v: int) -> int:
     """The working gradients of ``v``'s in-place members (NOTE [a layer's backward peak])."""
     peaks = graph.backward_peak_bytes
