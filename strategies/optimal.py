@@ -48,6 +48,17 @@ subset of the flags that no plan has together (its core), and the model without 
 bound already reaches the DPs' best plan, that plan is proven with no stage searched (GoogLeNet at three of four
 budgets). After half the time the search goes on as above, over the model with stages, its cost held at or above
 the bound found so far.
+
+NOTE [a recomputation's inputs, where the replay peaks]
+The moments at a layer's backward count a discarded value only where that backward reads it. But a value ``d``
+that an ancestor's backward reads, discarded, is at that moment either recomputed already (held until that
+backward) or not yet, and then the kept values its recomputation reads are held for it: one or the other is
+live, whatever the stages. Written for every layer and every such value, that is a disjunction per pair, too
+many for the nets of hundreds of nodes; so it is added lazily, where it is wanted: for the layer in whose
+backward a plan the search tried peaks over the budget, every such value gets one at each of that layer's
+moments. Valid for every plan, such a cut may take a kept set out of the model without stages with no stage
+searched (U-Net, whose concatenations are discarded and whose upsamplings, which nothing else reads, are held for
+them).
 """
 
 from __future__ import annotations
@@ -62,7 +73,7 @@ from strategies import approx_dp, exact_dp
 from strategies.graph import Graph, bits
 from strategies.graph import members as members_of
 from strategies.plan import InfeasibleBudget, Plan, SolverTimeout
-from strategies.replay import backward_holds
+from strategies.replay import backward_holds, peak_layer, timeline
 from strategies.simulate import simulate
 
 BUDGET_LIVENESS = True
@@ -116,7 +127,9 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
         prediction = simulate(graph, plan)
         cuts += 1
         if prediction.peak_bytes > budget_bytes:
-            staged = staged or _Relaxation(cp_model, graph, budget_bytes)
+            if _held_at_peak(kept_only, plan):  # the relaxation may refuse this kept set now
+                continue
+            staged = staged or _Relaxation(cp_model, graph, budget_bytes, holding=kept_only.holding)
             plan, replayed = staged.stages_for(kept, first_until, options.workers)
             cuts += replayed
             if plan is None:  # no stages fit these kept flags: the core of them goes
@@ -133,7 +146,7 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
             kept_only.exclude([(v, bool(kept >> v & 1)) for v in range(len(graph))])
     model = kept_only
     if found == "timeout":  # then every plan, stages and all, from the kept sets' bound
-        model = staged or _Relaxation(cp_model, graph, budget_bytes)
+        model = staged or _Relaxation(cp_model, graph, budget_bytes, holding=kept_only.holding)
         model.at_least(kept_only.bound)
         if best is not None:
             model.hint(best)
@@ -151,6 +164,8 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
                   model.proposed, prediction.peak_bytes, budget_bytes, time.perf_counter() - start)
         if prediction.peak_bytes <= budget_bytes and prediction.overhead_cost < best_cost:
             best, best_cost = plan, prediction.overhead_cost
+        elif prediction.peak_bytes > budget_bytes:
+            _held_at_peak(model, plan)
         model.cut(plan)
         cuts += 1
     bound = best_cost if status == "optimal" else min(best_cost, model.bound)
@@ -175,7 +190,7 @@ def _seed(name: str, graph: Graph, budget_bytes: int | None, time_limit_s: float
 class _Relaxation:
     """The CP-SAT model of NOTE [a proven optimum in the replay's accounting]; ``cut`` removes one plan."""
 
-    def __init__(self, cp_model, graph: Graph, budget_bytes: int, stages: bool = True):
+    def __init__(self, cp_model, graph: Graph, budget_bytes: int, stages: bool = True, holding=()):
         self.cp_model, self.graph, self.budget_bytes = cp_model, graph, budget_bytes
         n = len(graph)
         self.K = K = n if stages else 1
@@ -233,33 +248,14 @@ class _Relaxation:
         own_gradient = [{u: graph.reached[u] and u not in graph.preds_without_grad[x]
                          and not any(u in shared for shared, _ in graph.grad_shares[x])
                          for u in graph.preds[x]} for x in range(n)]
-        # Before each layer's backward, whatever the stages: what its backward reads, kept or recomputed, the
-        # kept values a backward of an ancestor still reads, the kept extras of those layers, and the parameter
-        # gradients its descendants made.
+        self.readers, self.read, self.extras, self.own_gradient = readers, read, extras, own_gradient
+        self.holding: set[int] = set()  # layers whose moments also count what a recomputation will read
         for v in range(n):
-            if not graph.reached[v]:
-                continue
-            before = graph.ancestor_mask[v]  # v and its ancestors
-            values = {u: size[u] if v in readers[u] else size[u] * kept[u]
-                      for u in read if any(before >> w & 1 for w in readers[u])}
-            live = [extra[u] if u == v else extra[u] * kept[u] for u in extras if before >> u & 1]
-            ran = [x for x in range(v + 1, n) if graph.ancestor_mask[x] >> v & 1 and graph.reached[x]]
-            made = sum(graph.param_bytes[x] for x in ran)
-            # The gradients those backwards made in buffers of their own for v and its ancestors, whose own
-            # backward is still to come (a buffer handed on as another value's gradient is counted once).
-            made += sum(size[u] for u in members_of(before) if any(own_gradient[x].get(u) for x in ran))
-            self._at_most(sum(values.values()) + sum(live) + made + held, budget_bytes)
-            # And on top, what the layer's backward holds as it runs: where its in-place members run theirs first,
-            # their working gradients, before the layer's recomputation (what it reads is there only if kept, its
-            # own value aside); then, as it makes its gradients, its measured peak, v's value gone if they read it last.
-            during, members_first = backward_holds(graph, v)
-            if members_first is not None:
-                early = [size[u] if u == v else size[u] * kept[u] for u in values]
-                early += [extra[u] * kept[u] for u in extras if before >> u & 1]
-                self._at_most(sum(early) + made + held + members_first, budget_bytes)
-                values.pop(v, None)
-            if during:
-                self._at_most(sum(values.values()) + sum(live) + made + held + during, budget_bytes)
+            if graph.reached[v]:
+                for moment in self._moments(v)[0]:
+                    self._at_most(moment, budget_bytes)
+        for v in holding:
+            self.hold_for_recomputation(v)
         self.bound = 0.0
         earlier = {}  # kept value -> it is kept and a backward of an earlier stage reads it
         for i in range(K if stages else 0):
@@ -314,6 +310,62 @@ class _Relaxation:
                 kept_extras.append(extra[u] * d)
             self._at_most(sum(size[u] * y for u, y in now.items()) + sum(kept_extras) + grads + held, budget_bytes)
             earlier = now
+
+    def _moments(self, v: int) -> tuple[list, set[int]]:
+        """The memory at v's backward, whatever the stages, as linear expressions, and the values they count.
+
+        Before it: what its backward reads, kept or recomputed, the kept values a backward of an ancestor still
+        reads, the kept extras of those layers, the parameter gradients its descendants made (held to the step's
+        end), and the gradients they made, in buffers of their own, for v and its ancestors (a buffer handed on as
+        another value's gradient is counted once). And on top, what the layer's backward holds as it runs: where
+        its in-place members run theirs first, their working gradients, before the layer's recomputation (what it
+        reads is there only if kept, its own value aside); then, as it makes its gradients, its measured peak,
+        v's value gone if they read it last."""
+        graph, kept, readers, n = self.graph, self.kept, self.readers, len(self.graph)
+        size, extra, held = graph.mem_bytes, graph.saved_extra_bytes, graph.loss_held_bytes
+        before = graph.ancestor_mask[v]  # v and its ancestors
+        values = {u: size[u] if v in readers[u] else size[u] * kept[u]
+                  for u in self.read if any(before >> w & 1 for w in readers[u])}
+        counted = set(values)
+        live = [extra[u] if u == v else extra[u] * kept[u] for u in self.extras if before >> u & 1]
+        ran = [x for x in range(v + 1, n) if graph.ancestor_mask[x] >> v & 1 and graph.reached[x]]
+        made = sum(graph.param_bytes[x] for x in ran)
+        made += sum(size[u] for u in members_of(before) if any(self.own_gradient[x].get(u) for x in ran))
+        moments = [sum(values.values()) + sum(live) + made + held]
+        during, members_first = backward_holds(graph, v)
+        if members_first is not None:
+            early = [size[u] if u == v else size[u] * kept[u] for u in values]
+            early += [extra[u] * kept[u] for u in self.extras if before >> u & 1]
+            moments.append(sum(early) + made + held + members_first)
+            values.pop(v, None)
+        if during:
+            moments.append(sum(values.values()) + sum(live) + made + held + during)
+        return moments, counted
+
+    def hold_for_recomputation(self, v: int) -> bool:
+        """Count at v's backward, besides ``_moments``, what the recomputation of a value an ancestor's backward
+        reads needs (NOTE [a recomputation's inputs, where the replay peaks]); False where v's moments already do,
+        or there is nothing to count."""
+        if v in self.holding:
+            return False
+        self.holding.add(v)
+        graph, kept, model, budget = self.graph, self.kept, self.model, self.budget_bytes
+        size, before = graph.mem_bytes, graph.ancestor_mask[v]
+        moments, counted = self._moments(v)
+        added = False
+        for d in self.read:
+            if v in self.readers[d] or not any(w != v and before >> w & 1 for w in self.readers[d]):
+                continue
+            inputs = [u for u in graph.preds[d] if u not in counted and size[u]]
+            if not inputs:
+                continue
+            sources = sum(size[u] * kept[u] for u in inputs)
+            for moment in moments:  # d recomputed already, or its kept inputs still held for it
+                recomputed = model.NewBoolVar("")
+                model.Add(moment + size[d] - size[d] * kept[d] <= budget).OnlyEnforceIf(recomputed)
+                model.Add(moment + sources <= budget).OnlyEnforceIf(recomputed.Not())
+            added = True
+        return added
 
     def _clause(self, literals) -> None:
         """At least one of ``literals`` (CP-SAT literals, or Python bools for the fixed ends of the encoding)."""
@@ -410,6 +462,13 @@ class _Relaxation:
         stages = [bits(v for v in range(n) if stage[v] == s) for s in range(max(stage) + 1)]
         kept = bits(v for v in range(n) if solver.BooleanValue(self.kept[v]))
         return Plan.from_stages(self.graph, stages, kept=kept, strategy="optimal", budget_bytes=self.budget_bytes)
+
+
+def _held_at_peak(model: _Relaxation, plan: Plan) -> bool:
+    """Where ``plan``'s replay peaks in a layer's backward, count there what recomputations will read (valid for
+    every plan: a cut that may take this one, over the budget, out of the relaxation); whether any was added."""
+    v = peak_layer(timeline(model.graph, plan))
+    return v is not None and model.hold_for_recomputation(v)
 
 
 def finest(graph: Graph, kept: int, budget_bytes: int | None = None) -> Plan:

@@ -150,6 +150,24 @@ def peak_of(steps: list[Step]) -> int:
     return peak
 
 
+def peak_layer(steps: list[Step]) -> int | None:
+    """The layer whose backward is running when ``peak_of(steps)`` is first reached (its own steps, or a
+    recomputation it calls for, which comes before them); None where the peak is in the forward pass."""
+    live, peak, at = 0, -1, 0
+    sizes: dict[tuple, int] = {}
+    for index, step in enumerate(steps):
+        for key, size in step.allocs:
+            sizes[key] = size
+            live += size
+        if live > peak:
+            peak, at = live, index
+        for key in step.frees:
+            live -= sizes.pop(key)
+    if steps[at].phase == Phase.FORWARD:
+        return None
+    return next((s.node for s in steps[at:] if s.phase == Phase.BACKWARD and s.node >= 0), None)
+
+
 def timeline(graph: Graph, plan: Plan) -> list[Step]:
     """The executor's training step as a list of allocations and frees (NOTE [two memory models]); a plan
     with ``checkpointed`` stages, the step ``torch.utils.checkpoint`` runs (NOTE [a checkpointed stage])."""
