@@ -118,19 +118,24 @@ def test_the_relaxation_is_never_above_the_replay_on_the_zoo(net):
         fits, cost = fixed(graph, plan, prediction.peak_bytes)
         assert fits, f"{plan.strategy}: the relaxation counts more than the replay's peak"
         assert cost == prediction.overhead_cost, plan.strategy
-    # And kept sets of every density, each with its finest stages, in the model without stages (the moments
-    # before and during each layer's backward, which hold whatever the stages), with what recomputations will
-    # read counted at every layer's backward, where the search adds it only at a peak.
+        assert kept_fits(graph, plan.kept, prediction.peak_bytes), plan.strategy
+    # And kept sets of every density, each with its finest stages.
     rng = random.Random(0)
     for density in [0.0, 0.5, 0.9, 1.0] + [rng.random() for _ in range(12)]:
         kept = sum(1 << v for v in range(len(graph)) if rng.random() < density) | unread
         prediction = simulate(graph, finest(graph, kept))
-        model = _Relaxation(cp_model, graph, prediction.peak_bytes, stages=False,
-                            holding=[v for v in range(len(graph)) if graph.reached[v]])
-        for v, k in enumerate(model.kept):
-            model.model.Add(k == (kept >> v & 1))
-        assert cp_model.CpSolver().Solve(model.model) == cp_model.OPTIMAL, \
-            f"kept at density {density:.2f}: the relaxation counts more than the replay's peak"
+        assert kept_fits(graph, kept, prediction.peak_bytes), f"kept at density {density:.2f}"
+
+
+def kept_fits(graph, kept, budget):
+    """Whether the model without stages holds the kept set ``kept`` within ``budget``, with what recomputations
+    read counted at every layer's backward (the search counts it only where a plan's replay peaks): the moments
+    there hold whatever the stages."""
+    model = _Relaxation(cp_model, graph, budget, stages=False,
+                        holding=[v for v in range(len(graph)) if graph.reached[v]])
+    for v, k in enumerate(model.kept):
+        model.model.Add(k == (kept >> v & 1))
+    return cp_model.CpSolver().Solve(model.model) == cp_model.OPTIMAL
 
 
 def test_vgg19_s_least_budget_is_proven_optimal_at_approx_dp_s_plan():
