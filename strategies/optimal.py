@@ -9,6 +9,8 @@ relaxation of it, quantities the replay never comes in under:
 - cost: a discarded value that a backward which runs reads (the loss's too), or whose layer saved an extra,
   is recomputed, and so is each discarded value it is made from (they share its stage);
 - memory, at moments every plan's step passes through, besides the loss's value and seed:
+  - as the backward begins: every kept value a backward reads, what the loss's backward reads, every kept
+    layer's extras, and the loss's gradients and working buffers (GPT-2's logits' gradient);
   - before each layer's backward, whatever the stages: what its backward reads and its layer's extras, kept or
     recomputed, the kept values an ancestor's backward still reads, those layers' kept extras, the parameter
     gradients its descendants' backwards made (held to the step's end), and the gradients they made, in
@@ -256,6 +258,12 @@ class _Relaxation:
                     self._at_most(moment, budget_bytes)
         for v in holding:
             self.hold_for_recomputation(v)
+        # As the backward begins: every kept value a backward reads, what the loss's backward reads (recomputed
+        # first where discarded), every kept layer's extras, and the loss's gradients and working buffers.
+        turn = [size[u] if u in graph.loss_reads else size[u] * kept[u] for u in read]
+        turn += [extra[u] * kept[u] for u in extras]
+        made = sum(graph.loss_grad_bytes[v] for v in graph.outputs if graph.reached[v]) + graph.loss_bytes
+        self._at_most(sum(turn) + made + held, budget_bytes)
         self.bound = 0.0
         earlier = {}  # kept value -> it is kept and a backward of an earlier stage reads it
         for i in range(K if stages else 0):
