@@ -136,33 +136,29 @@ class Step:
     call: bool = True  # the step runs the node's layer (its forward, or its whole backward): its FLOPs
 
 
-def peak_of(steps: list[Step]) -> int:
-    live, peak = 0, 0
+def _live_bytes(steps: list[Step]):
+    """The bytes live at each step, once its allocations are made and before its frees."""
+    live = 0
     sizes: dict[tuple[str, int], int] = {}
     for step in steps:
         for key, size in step.allocs:
             sizes[key] = size
             live += size
-        peak = max(peak, live)
+        yield live
         for key in step.frees:
             live -= sizes.pop(key)
     assert not sizes, f"simulator bug: {len(sizes)} buffers never freed"
-    return peak
+
+
+def peak_of(steps: list[Step]) -> int:
+    return max(0, max(_live_bytes(steps), default=0))
 
 
 def peak_layer(steps: list[Step]) -> int | None:
     """The layer whose backward is running when ``peak_of(steps)`` is first reached (its own steps, or a
     recomputation it calls for, which comes before them); None where the peak is in the forward pass."""
-    live, peak, at = 0, -1, 0
-    sizes: dict[tuple, int] = {}
-    for index, step in enumerate(steps):
-        for key, size in step.allocs:
-            sizes[key] = size
-            live += size
-        if live > peak:
-            peak, at = live, index
-        for key in step.frees:
-            live -= sizes.pop(key)
+    live = list(_live_bytes(steps))
+    at = live.index(max(live))
     if steps[at].phase == Phase.FORWARD:
         return None
     return next((s.node for s in steps[at:] if s.phase == Phase.BACKWARD and s.node >= 0), None)
