@@ -155,7 +155,9 @@ def test_the_model_without_stages_proves_googlenet_s_plan_optimal_with_no_stage_
     graph = traced_net("googlenet").traced.graph
     least, vanilla = (simulate(graph, solve(name, graph)).peak_bytes for name in ("approx_dp", "vanilla"))
     budget = least + (vanilla - least) // 4
-    plan = solve("optimal", graph, budget, time_limit_s=10)  # the model with stages alone takes 40 s
+    # The model with stages alone takes 40 s. The limit is generous for the seeds: exact_dp, given a quarter of it,
+    # must finish (it takes 0.5 s, several on a loaded machine compiling its kernels) for no plan to be replayed.
+    plan = solve("optimal", graph, budget, time_limit_s=40)
     assert plan.info["optimal_status"] == "optimal" and plan.info["plans_replayed"] == 0
     approx, prediction = simulate(graph, solve("approx_dp", graph, budget)), simulate(graph, plan)
     assert prediction.peak_bytes <= budget and prediction.overhead_cost == plan.info["lower_bound"]
