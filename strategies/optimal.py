@@ -10,7 +10,9 @@ relaxation of it, quantities the replay never comes in under:
   is recomputed, and so is each discarded value it is made from (they share its stage);
 - memory, at moments every plan's step passes through, besides the loss's value and seed:
   - as the backward begins: every kept value a backward reads, what the loss's backward reads, every kept
-    layer's extras, and the loss's gradients and working buffers (GPT-2's logits' gradient);
+    layer's extras, and the loss's gradients and working buffers (GPT-2's logits' gradient); and, where the
+    loss's backward reads no discarded value (so no stage is recomputed yet), every kept value that a value to
+    be recomputed is made from (GPT-2's attention projections, their q, k and v discarded);
   - before each layer's backward, whatever the stages: what its backward reads and its layer's extras, kept or
     recomputed, the kept values an ancestor's backward still reads, those layers' kept extras, the parameter
     gradients its descendants' backwards made (held to the step's end), and the gradients they made, in
@@ -262,6 +264,16 @@ class _Relaxation:
         # first where discarded), every kept layer's extras, and the loss's gradients and working buffers.
         turn = [size[u] if u in graph.loss_reads else size[u] * kept[u] for u in read]
         turn += [extra[u] * kept[u] for u in extras]
+        # Where the loss's backward reads no discarded value, no stage is recomputed yet: a kept value that no
+        # backward reads is held for the recomputation that reads it (GPT-2's attention inputs, their q, k, v
+        # discarded).
+        loss_discards = [_not(kept[u]) for u in graph.loss_reads]
+        for u in set(range(n)) - set(read):
+            if size[u] and graph.succs[u]:
+                waits = model.NewBoolVar("")
+                for s in graph.succs[u]:
+                    clause([waits, _not(kept[u]), _not(recomputed[s])] + loss_discards)
+                turn.append(size[u] * waits)
         made = sum(graph.loss_grad_bytes[v] for v in graph.outputs if graph.reached[v]) + graph.loss_bytes
         self._at_most(sum(turn) + made + held, budget_bytes)
         self.bound = 0.0
