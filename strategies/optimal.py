@@ -22,13 +22,17 @@ relaxation of it, quantities the replay never comes in under:
     before the layer's recomputation, so with only what it keeps of the rest it reads; then, as it makes its
     gradients, the least peak the replay may bring it to, less its own value where those members read it last
     (without this moment U-Net at 75% of the way to vanilla was bounded at 1 cost unit, its optimum 2);
-  - as stage ``i``'s backward begins: the kept values a backward of stage ``i`` or earlier reads, the kept
-    extras of those stages, and the parameter gradients of later stages;
+  - as stage ``i``'s backward begins: the kept values a backward of stage ``i`` or earlier reads, or that the
+    recomputation of such a stage reads (as at the turn), the kept extras of those stages, the parameter
+    gradients of later stages, and the gradients later stages' backwards made, in buffers of their own, for
+    values of stage ``i`` or earlier (U-Net's skip connections);
   - once stage ``i``'s recomputation is done (all at once, by the first backward that needs one: NOTE [what a
     recomputation makes] in ``replay.py``): the stage's discarded values a backward reads, the kept values a
-    backward of an earlier stage reads or one of this stage's still to come, the extras still wanted, and the
-    parameter gradients of later stages and of the stage's layers whose backward came first (where each stage
-    runs in node order: no state is shared between layers, ``replay.forward_order``).
+    backward of an earlier stage reads or one of this stage's still to come, or an earlier stage's
+    recomputation reads, the extras still wanted, the parameter gradients of later stages and of the stage's
+    layers whose backward came first, and the gradients those backwards made, in buffers of their own, for
+    values whose backward has not ended (where each stage runs in node order: no state is shared between
+    layers, ``replay.forward_order``).
 No plan costs less than the relaxed cost of the cheapest plan whose relaxed memory fits, so that cost is a lower
 bound. Each plan the solver proposes is then replayed and cut off (its exact stages and kept set; stages are
 numbered 0, 1, ... without a gap and a value nothing reads is kept, so a plan has one assignment); one that fits
@@ -62,7 +66,9 @@ many for the nets of hundreds of nodes; so it is added lazily, where it is wante
 backward a plan the search tried peaks over the budget, every such value gets one at each of that layer's
 moments. Valid for every plan, such a cut may take a kept set out of the model without stages with no stage
 searched (U-Net, whose concatenations are discarded and whose upsamplings, which nothing else reads, are held for
-them).
+them). In the model with stages the same layer also gets, for each stage ``i`` it may be in, a moment with its
+stage's discarded values that an ancestor's backward reads, where a backward after it in that stage recomputed
+them already (they are live: U-Net at its least budget, where without it the plans proposed went 20% over).
 """
 
 from __future__ import annotations
@@ -254,12 +260,11 @@ class _Relaxation:
                          for u in graph.preds[x]} for x in range(n)]
         self.readers, self.read, self.extras, self.own_gradient = readers, read, extras, own_gradient
         self.holding: set[int] = set()  # layers whose moments also count what a recomputation will read
+        self.to_come: dict[int, list] = {}  # stage -> its ``to_come`` literals (below), in the model with stages
         for v in range(n):
             if graph.reached[v]:
                 for moment in self._moments(v)[0]:
                     self._at_most(moment, budget_bytes)
-        for v in holding:
-            self.hold_for_recomputation(v)
         # As the backward begins: every kept value a backward reads, what the loss's backward reads (recomputed
         # first where discarded), every kept layer's extras, and the loss's gradients and working buffers.
         turn = [size[u] if u in graph.loss_reads else size[u] * kept[u] for u in read]
@@ -268,16 +273,18 @@ class _Relaxation:
         # backward reads is held for the recomputation that reads it (GPT-2's attention inputs, their q, k, v
         # discarded).
         loss_discards = [_not(kept[u]) for u in graph.loss_reads]
-        for u in set(range(n)) - set(read):
-            if size[u] and graph.succs[u]:
-                waits = model.NewBoolVar("")
-                for s in graph.succs[u]:
-                    clause([waits, _not(kept[u]), _not(recomputed[s])] + loss_discards)
-                turn.append(size[u] * waits)
+        waiting = [u for u in range(n) if size[u] and graph.succs[u]]  # each may be held for a recomputation
+        for u in set(waiting) - set(read):
+            waits = model.NewBoolVar("")
+            for s in graph.succs[u]:
+                clause([waits, _not(kept[u]), _not(recomputed[s])] + loss_discards)
+            turn.append(size[u] * waits)
         made = sum(graph.loss_grad_bytes[v] for v in graph.outputs if graph.reached[v]) + graph.loss_bytes
         self._at_most(sum(turn) + made + held, budget_bytes)
         self.bound = 0.0
         earlier = {}  # kept value -> it is kept and a backward of an earlier stage reads it
+        value_grads = [(u, x) for x in range(n) if graph.reached[x] for u, own in own_gradient[x].items()
+                       if own and size[u]]
         for i in range(K if stages else 0):
             grads = sum(p * ge[v][i + 1] for v, p in params)  # parameter gradients of later stages
             # to_come[w]: a node of stage i from w on recomputes the stage, so the backward of a node of stage i
@@ -295,16 +302,22 @@ class _Relaxation:
                 d = model.NewBoolVar("")
                 clause([d, kept[u], _not(ge[u][i]), ge[u][i + 1]])
                 made.append(size[u] * d)
-            held_kept = []  # kept values a backward of an earlier stage, or of this one still to come, reads
+            # kept values a backward of an earlier stage, or of this one still to come, reads, or that an earlier
+            # stage's recomputation will read
+            held_kept = {}
             for u in read:
                 if not readers[u]:
                     continue
-                d = model.NewBoolVar("")
-                if u in earlier:
-                    clause([d, _not(earlier[u])])
+                held_kept[u] = d = model.NewBoolVar("")
                 for w in readers[u] if in_order else ():
                     clause([d, _not(kept[u]), _not(ge[w][i]), ge[w][i + 1], _not(to_come[w + 1])])
-                held_kept.append(size[u] * d)
+            for u in waiting if i else ():
+                d = held_kept[u] if u in held_kept else held_kept.setdefault(u, model.NewBoolVar(""))
+                for s in graph.succs[u]:
+                    clause([d, _not(kept[u]), _not(recomputed[s]), ge[s][i]] + loss_discards)
+            for u, d in held_kept.items():
+                if u in earlier:
+                    clause([d, _not(earlier[u])])
             wanted_extras = []  # extras of kept layers of earlier stages, and of this one's still to come
             for u in extras:
                 d = model.NewBoolVar("")
@@ -317,19 +330,45 @@ class _Relaxation:
                 d = model.NewBoolVar("")
                 clause([d, _not(ge[v][i]), ge[v][i + 1], to_come[v]])
                 done.append(p * d)
-            self._at_most(sum(made) + sum(held_kept) + sum(wanted_extras) + sum(done) + grads + held, budget_bytes)
-            now, kept_extras = {}, []  # kept values a backward of stage i or earlier reads, and kept extras
+            # gradients that the backwards run so far made, in buffers of their own, for values whose backward has
+            # not ended (U-Net's skip connections; the stage's own, from the backwards before its recomputation)
+            to_receive, to_receive_first = {}, {}
+            for u, x in value_grads:
+                g = to_receive[u] if u in to_receive else to_receive.setdefault(u, model.NewBoolVar(""))
+                clause([g, ge[u][i], _not(ge[x][i + 1])])
+                if in_order:
+                    in_stage, x_in_stage_before = [_not(ge[u][i]), ge[u][i + 1], _not(to_come[u])], \
+                        [_not(ge[x][i]), ge[x][i + 1], to_come[x]]
+                    clause([g] + in_stage + [_not(ge[x][i + 1])])
+                    clause([g, ge[u][i]] + x_in_stage_before)
+                    clause([g] + in_stage + x_in_stage_before)
+                g = to_receive_first[u] if u in to_receive_first \
+                    else to_receive_first.setdefault(u, model.NewBoolVar(""))
+                clause([g, ge[u][i + 1], _not(ge[x][i + 1])])
+            self._at_most(sum(made) + sum(size[u] * d for u, d in held_kept.items()) + sum(wanted_extras) + sum(done) + grads + held
+                          + sum(size[u] * g for u, g in to_receive.items()), budget_bytes)
+            # kept values a backward of stage i or earlier reads, or their recomputations, and kept extras
+            now, kept_extras = {}, []
             for u in read:
                 if readers[u]:
                     now[u] = y = model.NewBoolVar("")
                     for w in readers[u]:
                         clause([y, _not(kept[u]), ge[w][i + 1]])
+            for u in waiting:
+                y = now[u] if u in now else now.setdefault(u, model.NewBoolVar(""))
+                for s in graph.succs[u]:
+                    clause([y, _not(kept[u]), _not(recomputed[s]), ge[s][i + 1]] + loss_discards)
             for u in extras:
                 d = model.NewBoolVar("")
                 clause([d, _not(kept[u]), ge[u][i + 1]])
                 kept_extras.append(extra[u] * d)
-            self._at_most(sum(size[u] * y for u, y in now.items()) + sum(kept_extras) + grads + held, budget_bytes)
+            self._at_most(sum(size[u] * y for u, y in now.items()) + sum(kept_extras) + grads + held
+                          + sum(size[u] * g for u, g in to_receive_first.items()), budget_bytes)
             earlier = now
+            if in_order:
+                self.to_come[i] = to_come
+        for v in holding:
+            self.hold_for_recomputation(v)
 
     def _moments(self, v: int) -> tuple[list, set[int]]:
         """The memory at v's backward, whatever the stages, as linear expressions, and the values they count.
@@ -369,7 +408,7 @@ class _Relaxation:
         if v in self.holding:
             return False
         self.holding.add(v)
-        graph, kept, model, budget = self.graph, self.kept, self.model, self.budget_bytes
+        graph, kept, model, budget, ge = self.graph, self.kept, self.model, self.budget_bytes, self.ge
         size, before = graph.mem_bytes, graph.ancestor_mask[v]
         moments, counted = self._moments(v)
         added = False
@@ -384,6 +423,19 @@ class _Relaxation:
                 recomputed = model.NewBoolVar("")
                 model.Add(moment + size[d] - size[d] * kept[d] <= budget).OnlyEnforceIf(recomputed)
                 model.Add(moment + sources <= budget).OnlyEnforceIf(recomputed.Not())
+            added = True
+        for i, to_come in self.to_come.items():  # the model with stages: what v's stage recomputed before it
+            recomputed = [d for d in counted if v not in self.readers[d] and d != v]
+            when = [x for x in (ge[v][i], _not(ge[v][i + 1]), to_come[v + 1]) if x is not True]
+            if not recomputed or any(x is False for x in when):
+                continue
+            made = 0
+            for d in recomputed:
+                z = model.NewBoolVar("")
+                self._clause([z, kept[d], _not(ge[d][i]), ge[d][i + 1]])
+                made += size[d] * z
+            for moment in moments:
+                model.Add(moment + made <= budget).OnlyEnforceIf(when)
             added = True
         return added
 
@@ -437,6 +489,7 @@ class _Relaxation:
                 replayed += 1
                 if simulate(self.graph, plan).peak_bytes <= self.budget_bytes:
                     return plan, replayed
+                _held_at_peak(self, plan)
                 self.cut(plan)
         finally:
             self.model.ClearAssumptions()
