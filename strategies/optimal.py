@@ -67,8 +67,9 @@ backward a plan the search tried peaks over the budget, every such value gets on
 moments. Valid for every plan, such a cut may take a kept set out of the model without stages with no stage
 searched (U-Net, whose concatenations are discarded and whose upsamplings, which nothing else reads, are held for
 them). In the model with stages the same layer also gets, for each stage ``i`` it may be in, a moment with its
-stage's discarded values that an ancestor's backward reads, where a backward after it in that stage recomputed
-them already (they are live: U-Net at its least budget, where without it the plans proposed went 20% over).
+stage's discarded values that an ancestor's backward reads, where a later layer of that stage, whose backward
+runs first, recomputed them (they are live: U-Net at its least budget, where without it the plans proposed went
+20% over).
 """
 
 from __future__ import annotations
