@@ -346,8 +346,8 @@ class _Relaxation:
                 g = to_receive_first[u] if u in to_receive_first \
                     else to_receive_first.setdefault(u, model.NewBoolVar(""))
                 clause([g, ge[u][i + 1], _not(ge[x][i + 1])])
-            self._at_most(sum(made) + sum(size[u] * d for u, d in held_kept.items()) + sum(wanted_extras) + sum(done) + grads + held
-                          + sum(size[u] * g for u, g in to_receive.items()), budget_bytes)
+            self._at_most(sum(made) + sum(size[u] * d for u, d in held_kept.items()) + sum(wanted_extras) + sum(done)
+                          + grads + held + sum(size[u] * g for u, g in to_receive.items()), budget_bytes)
             # kept values a backward of stage i or earlier reads, or their recomputations, and kept extras
             now, kept_extras = {}, []
             for u in read:
