@@ -313,7 +313,7 @@ class _Relaxation:
                 for w in readers[u] if in_order else ():
                     clause([d, _not(kept[u]), _not(ge[w][i]), ge[w][i + 1], _not(to_come[w + 1])])
             for u in waiting if i else ():
-                d = held_kept[u] if u in held_kept else held_kept.setdefault(u, model.NewBoolVar(""))
+                d = self._literal(held_kept, u)
                 for s in graph.succs[u]:
                     clause([d, _not(kept[u]), _not(recomputed[s]), ge[s][i]] + loss_discards)
             for u, d in held_kept.items():
@@ -335,7 +335,7 @@ class _Relaxation:
             # not ended (U-Net's skip connections; the stage's own, from the backwards before its recomputation)
             to_receive, to_receive_first = {}, {}
             for u, x in value_grads:
-                g = to_receive[u] if u in to_receive else to_receive.setdefault(u, model.NewBoolVar(""))
+                g = self._literal(to_receive, u)
                 clause([g, ge[u][i], _not(ge[x][i + 1])])
                 if in_order:
                     in_stage, x_in_stage_before = [_not(ge[u][i]), ge[u][i + 1], _not(to_come[u])], \
@@ -343,8 +343,7 @@ class _Relaxation:
                     clause([g] + in_stage + [_not(ge[x][i + 1])])
                     clause([g, ge[u][i]] + x_in_stage_before)
                     clause([g] + in_stage + x_in_stage_before)
-                g = to_receive_first[u] if u in to_receive_first \
-                    else to_receive_first.setdefault(u, model.NewBoolVar(""))
+                g = self._literal(to_receive_first, u)
                 clause([g, ge[u][i + 1], _not(ge[x][i + 1])])
             self._at_most(sum(made) + sum(size[u] * d for u, d in held_kept.items()) + sum(wanted_extras) + sum(done)
                           + grads + held + sum(size[u] * g for u, g in to_receive.items()), budget_bytes)
@@ -356,7 +355,7 @@ class _Relaxation:
                     for w in readers[u]:
                         clause([y, _not(kept[u]), ge[w][i + 1]])
             for u in waiting:
-                y = now[u] if u in now else now.setdefault(u, model.NewBoolVar(""))
+                y = self._literal(now, u)
                 for s in graph.succs[u]:
                     clause([y, _not(kept[u]), _not(recomputed[s]), ge[s][i + 1]] + loss_discards)
             for u in extras:
@@ -426,12 +425,12 @@ class _Relaxation:
                 model.Add(moment + sources <= budget).OnlyEnforceIf(recomputed.Not())
             added = True
         for i, to_come in self.to_come.items():  # the model with stages: what v's stage recomputed before it
-            recomputed = [d for d in counted if v not in self.readers[d] and d != v]
+            ancestors_read = [d for d in counted if v not in self.readers[d] and d != v]
             when = [x for x in (ge[v][i], _not(ge[v][i + 1]), to_come[v + 1]) if x is not True]
-            if not recomputed or any(x is False for x in when):
+            if not ancestors_read or any(x is False for x in when):
                 continue
-            made = 0
-            for d in recomputed:
+            made = 0  # those of them discarded in stage i: recomputed before v's backward
+            for d in ancestors_read:
                 z = model.NewBoolVar("")
                 self._clause([z, kept[d], _not(ge[d][i]), ge[d][i + 1]])
                 made += size[d] * z
@@ -439,6 +438,12 @@ class _Relaxation:
                 model.Add(moment + made <= budget).OnlyEnforceIf(when)
             added = True
         return added
+
+    def _literal(self, literals: dict, key):
+        """``literals[key]``, a new Boolean variable where there is none yet."""
+        if key not in literals:
+            literals[key] = self.model.NewBoolVar("")
+        return literals[key]
 
     def _clause(self, literals) -> None:
         """At least one of ``literals`` (CP-SAT literals, or Python bools for the fixed ends of the encoding)."""

@@ -151,7 +151,7 @@ def _live_bytes(steps: list[Step]):
 
 
 def peak_of(steps: list[Step]) -> int:
-    return max(0, max(_live_bytes(steps), default=0))
+    return max(_live_bytes(steps), default=0)
 
 
 def peak_layer(steps: list[Step]) -> int | None:
