@@ -35,7 +35,8 @@
 # (run_cell's resume) and a run goes on where the last one stopped; EAGER_AGAIN=1 leaves out the eager
 # rows among them but max_batch's (memory only), so that the stages time those again (after a change to the
 # executor's host work); COMPILED_AGAIN=1 leaves out the compiled rows of time/, so that the compiled stage
-# compiles vanilla in the same run as the plans it is the ratio's base for.
+# compiles vanilla in the same run as the plans it is the ratio's base for. On an H100 only Figure 3's vanilla line
+# is copied in (from results/rows_h100/time/figure3).
 # DEVICE=meta rehearses it here (the same commands on meta; the gpu tests skip; no profile).
 set -u
 DEVICE=${DEVICE:-cuda}
@@ -78,6 +79,10 @@ if [ "$DEVICE" = cuda ] && [ "$CARD" = "NVIDIA H200" ]; then
     if [ "${COMPILED_AGAIN:-0}" = 1 ]; then  # compiled vanilla timed again, in the same run as the plans
         rm -f "$ROWS"/time/*__cuda__compiled.json
     fi
+elif [ "$DEVICE" = cuda ] && [ "$CARD" = "NVIDIA H100 80GB HBM3" ]; then
+    # Figure 3's vanilla line on this card (the batches its plans are read against); the plans are timed again
+    mkdir -p "$ROWS/figure3"
+    cp results/rows_h100/time/figure3/*__vanilla__* "$ROWS/figure3/"
 fi
 STAGES=${*:-profile figure3 max_batch frontier cost peer tests}
 FR="python3 -m harness.bench.frontier --device $DEVICE --nets resnet152 --timed-steps 10 --rows $ROWS/frontier"
