@@ -133,6 +133,15 @@ def test_cuda_tables_put_gpu_time_ratios_beside_wall_time_ratios():
     table = frontier.points(rows, "cuda").set_index("strategy")
     assert table.loc["approx_dp", "time / vanilla"] == 1.5
     assert table.loc["approx_dp", "GPU / vanilla"] == 114.0 / 95.0
+    assert "time / compiled vanilla" not in table  # no compiled vanilla measured: no column
+    compiled = [{**row("vanilla", 80.0, 76.0), "compiled": True},
+                {**row("approx_dp", 92.0, 87.4), "compiled": True, "compile_excess_bytes": 1.4e8}]
+    both = frontier.points(rows + compiled, "cuda").set_index(["strategy", "compiled"])
+    assert both.loc[("approx_dp", True), "time / compiled vanilla"] == 92.0 / 80.0
+    assert both.loc[("approx_dp", True), "GPU / compiled vanilla"] == 87.4 / 76.0
+    assert both.loc[("approx_dp", False), "time / compiled vanilla"] == 150.0 / 80.0
+    assert both.loc[("approx_dp", True), "time / vanilla"] == 92.0 / 100.0  # eager vanilla's stays the base there
+    assert both.loc[("approx_dp", True), "note"].startswith("solved again 0.14 GB lower")
     assert table.loc["approx_dp", "host-bound"] == "yes" and table.loc["vanilla", "host-bound"] == "no"
     assert "GPU ms" not in frontier.points(rows, "meta")  # no kernel time on meta: no column
     curves = pd.DataFrame([row("vanilla", 100.0, 95.0, 4), {**row("approx_dp", 150.0, 120.0), "options": {"mode": "tc"}},
