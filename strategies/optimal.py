@@ -125,7 +125,7 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
             best, best_cost = seed, prediction.overhead_cost
     deadline = start + options.time_limit_s
     kept_only = _Relaxation(cp_model, graph, budget_bytes, stages=False)
-    staged = None  # the model with stages, built when a kept set needs them
+    staged, built = None, False  # the model with stages, built when a kept set needs them (None: not in time)
     status, cuts = "optimal", 0
     # First the kept sets, cheapest first (NOTE [kept sets first]), for half the time left.
     first_until = time.perf_counter() + (deadline - time.perf_counter()) / 2
@@ -140,7 +140,11 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
         if prediction.peak_bytes > budget_bytes:
             if _held_at_peak(kept_only, plan):  # the relaxation may refuse this kept set now
                 continue
-            staged = staged or _Relaxation(cp_model, graph, budget_bytes, holding=kept_only.holding)
+            if not built:
+                staged, built = _with_stages(cp_model, graph, budget_bytes, kept_only.holding, deadline), True
+            if staged is None:
+                found = "timeout"
+                break
             plan, replayed = staged.stages_for(kept, first_until, options.workers)
             cuts += replayed
             if plan is None:  # no stages fit these kept flags: the core of them goes
@@ -157,10 +161,15 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
             kept_only.exclude([(v, bool(kept >> v & 1)) for v in range(len(graph))])
     model = kept_only
     if found == "timeout":  # then every plan, stages and all, from the kept sets' bound
-        model = staged or _Relaxation(cp_model, graph, budget_bytes, holding=kept_only.holding)
-        model.at_least(kept_only.bound)
-        if best is not None:
-            model.hint(best)
+        if not built:
+            staged = _with_stages(cp_model, graph, budget_bytes, kept_only.holding, deadline)
+        if staged is None:  # the bound is the kept sets'
+            status = "timeout"
+        else:
+            model = staged
+            model.at_least(kept_only.bound)
+            if best is not None:
+                model.hint(best)
     while model is not kept_only:
         left = deadline - time.perf_counter()
         found = model.cheapest(best_cost, left, options.workers) if left > 0 else "timeout"
@@ -192,6 +201,20 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
     return plan
 
 
+class _OutOfTime(Exception):
+    pass
+
+
+def _with_stages(cp_model, graph: Graph, budget_bytes: int, holding, deadline: float):
+    """The model with stages, or None where building it would outlast ``deadline``: its size is the nodes times
+    the edges and the nodes (DenseNet-161's, 5.4 million constraints, takes 80 s to build)."""
+    try:
+        return _Relaxation(cp_model, graph, budget_bytes, holding=holding, deadline=deadline)
+    except _OutOfTime:
+        log.info("optimal: the model with stages was not built within the time limit")
+        return None
+
+
 def _seed(name: str, graph: Graph, budget_bytes: int | None, time_limit_s: float) -> Plan:
     if name == "approx_dp":
         return approx_dp.solve(graph, budget_bytes)
@@ -201,7 +224,8 @@ def _seed(name: str, graph: Graph, budget_bytes: int | None, time_limit_s: float
 class _Relaxation:
     """The CP-SAT model of NOTE [a proven optimum in the replay's accounting]; ``cut`` removes one plan."""
 
-    def __init__(self, cp_model, graph: Graph, budget_bytes: int, stages: bool = True, holding=()):
+    def __init__(self, cp_model, graph: Graph, budget_bytes: int, stages: bool = True, holding=(),
+                 deadline: float = math.inf):
         self.cp_model, self.graph, self.budget_bytes = cp_model, graph, budget_bytes
         n = len(graph)
         self.K = K = n if stages else 1
@@ -287,6 +311,8 @@ class _Relaxation:
         value_grads = [(u, x) for x in range(n) if graph.reached[x] for u, own in own_gradient[x].items()
                        if own and size[u]]
         for i in range(K if stages else 0):
+            if time.perf_counter() > deadline:
+                raise _OutOfTime
             grads = sum(p * ge[v][i + 1] for v, p in params)  # parameter gradients of later stages
             # to_come[w]: a node of stage i from w on recomputes the stage, so the backward of a node of stage i
             # before w comes after that recomputation.
@@ -368,6 +394,8 @@ class _Relaxation:
             if in_order:
                 self.to_come[i] = to_come
         for v in holding:
+            if time.perf_counter() > deadline:
+                raise _OutOfTime
             self.hold_for_recomputation(v)
 
     def _moments(self, v: int) -> tuple[list, set[int]]:

@@ -6,6 +6,7 @@ import itertools
 import math
 import random
 import sys
+import time
 
 import pytest
 import torch
@@ -243,6 +244,21 @@ def test_the_optimal_plan_runs_exactly_and_within_its_budget(tmp_path):
     assert row["status"] == "ok", row.get("error")
     assert row["plan_optimal_status"] in ("optimal", "timeout")
     assert row["measured_peak_bytes"] == row["predicted_peak_bytes"] <= budget
+
+
+def test_the_time_limit_holds_where_the_model_with_stages_takes_longer_to_build():
+    # a dense DAG of 200 nodes, each reading the four before it: the model with stages (200 stages of 200 nodes
+    # and 790 edges) takes 25 s to build; the search asks for it at the least budget, and returns in its time
+    rng = random.Random(0)
+    n = 200
+    graph = Graph(mem_bytes=[rng.randint(1, 9) for _ in range(n)], cost=[rng.randint(1, 3) for _ in range(n)],
+                  edges=[(u, v) for v in range(1, n) for u in range(max(0, v - 4), v)])
+    least = simulate(graph, solve("approx_dp", graph)).peak_bytes
+    start = time.perf_counter()
+    plan = solve("optimal", graph, least, time_limit_s=2)
+    assert time.perf_counter() - start < 8
+    assert plan.info["optimal_status"] == "timeout" and 0 < plan.info["lower_bound"] < simulate(graph, plan).overhead_cost
+    assert simulate(graph, plan).peak_bytes <= least
 
 
 def test_bad_input(monkeypatch):
