@@ -96,7 +96,8 @@ INSTALL = "pip install ortools (or the project's extra: pip install -e '.[cp]')"
 class Options:
     """Options of ``optimal``."""
 
-    time_limit_s: float = 600.0  # for the whole search, every solve and replay in it
+    time_limit_s: float = 600.0  # for the whole search, every solve and replay in it (CP-SAT may pass its own
+    # limit by seconds on the largest models: PSPNet's model with stages, 7 s over 18)
     workers: int = 1  # CP-SAT's search workers; one keeps the answer the same from run to run
 
 
@@ -521,6 +522,8 @@ class _Relaxation:
         self.model.AddAssumptions(literals)
         try:
             while True:
+                if time.perf_counter() >= until:  # a solve of a large model takes seconds even with no time left
+                    return "timeout", replayed
                 solver = self._solver(until - time.perf_counter(), workers)
                 status = solver.Solve(self.model)
                 if status == self.cp_model.INFEASIBLE:
