@@ -19,8 +19,8 @@
 #              each beside its GPU kernel time (EAGER_S seconds, 150 by default).
 #   compiled   ResNet-152 at batch 128, compiled, 15 timed steps: vanilla and approx_dp (tc) at 8.6 and 12.8 GB
 #              (COMPILED_S seconds, 540 by default, a call of its own: on the H200 compiled vanilla's cell took
-#              124 s, 90 s of it the compile, and approx_dp's at 8.6 GB did not end in 206 s; a plan over its
-#              budget on the device by more than its eager run's reserve is solved and compiled again).
+#              105-124 s, 80-90 s of it the compile, and approx_dp's at 8.6 GB 380 s, compiled twice: a plan that
+#              holds more compiled than run eager is solved again for that much less and compiled again).
 #   frontier   ResNet-152 at batch 128: vanilla eager and compiled, approx_dp (tc) eager and compiled at 6.0,
 #              8.6 and 12.8 GB (the frontier's goals; DP_BUDGETS=6.0GB for fewer).
 #   cost       what a cost model of measured layer times changes (harness.bench.cost_models): ResNet-152 at batch
