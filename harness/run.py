@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import json
 import logging
 import multiprocessing
 import os
@@ -118,12 +119,38 @@ def traced_net(net: str, batch_size: int | None = None, image_size: int | None =
     return SimpleNamespace(model=model, example_input=example_input, loss_fn=loss_fn, traced=traced)
 
 
+# NOTE [traces kept between cells]
+# A model on meta holds no values, and its trace depends only on the net, the sizes, the dtype and the cost
+# model: the cells of a sweep on one net and size (each strategy, each budget; Hydra's multirun runs them in one
+# process) share one trace, where tracing took most of each cell (PSPNet at batch 8: 4.8 s of 7.2). What a
+# step leaves on the model is its gradients, which ``measure`` clears before and after every step, and the
+# per-plan layouts the executor keeps with the trace. A cell that compiles (``compile=true``, the compile
+# peer) traces afresh and keeps nothing: dynamo keeps its compiled code with the model's code. On any other
+# device a step changes the weights and their statistics, and each cell starts from a model of its own.
+_KEPT_TRACES: dict[tuple, SimpleNamespace] = {}
+_KEPT_AT_MOST = 4
+
+
+def _traced_for(row: dict) -> SimpleNamespace:
+    """``traced_net`` of ``row``'s net, kept between meta cells that do not compile (NOTE [traces kept between
+    cells])."""
+    args = (row["net"], row["batch_size"], row["image_size"], row["device"], row["dtype"], row["cost_model"])
+    compiles = row["compiled"] or getattr(strategies.module(row["strategy"]), "RUNNER", None) == "torch_compile"
+    if row["device"] != "meta" or compiles:
+        return traced_net(*args, **row["net_options"])
+    key = (*args, json.dumps(row["net_options"], sort_keys=True, default=repr))
+    if key not in _KEPT_TRACES:
+        while _KEPT_TRACES and len(_KEPT_TRACES) >= _KEPT_AT_MOST:
+            del _KEPT_TRACES[next(iter(_KEPT_TRACES))]  # the oldest
+        _KEPT_TRACES[key] = traced_net(*args, **row["net_options"])
+    return _KEPT_TRACES[key]
+
+
 def build_cell(row: dict) -> SimpleNamespace:
     """What a cell runs, from its row (``net``, ``strategy``, sizes, ``device``, ``dtype``, ``budget_bytes``,
     ``options``, ``compiled``...): the model, its input and loss, the trace, the plan, what every plan holds
     (``static_bytes``) and ``step``, the training step that runs the plan (None for a general schedule)."""
-    built = traced_net(row["net"], row["batch_size"], row["image_size"], row["device"], row["dtype"],
-                       row["cost_model"], **row["net_options"])
+    built = _traced_for(row)
     model, example_input, loss_fn, traced = built.model, built.example_input, built.loss_fn, built.traced
     static_bytes = fixed_bytes(model, example_input)
     # A strategy that follows the net's own layout (a PyTorch peer) gets the zoo's blocks or sequence; they

@@ -2,7 +2,6 @@
 holding what the plan keeps."""
 
 import copy
-from types import SimpleNamespace
 from functools import cache, partial
 
 import pandas as pd
@@ -28,15 +27,20 @@ def _float64(model, x):
     return model.double(), x.double() if x.is_floating_point() else x
 
 
-@pytest.mark.parametrize("net, strategy", [("resnet50", "chen_sqrt"), ("densenet161", "approx_dp"),
+# GoogLeNet for the branches that join in a concatenation (DenseNet-161's compile made this the slowest case, 94 s).
+@pytest.mark.parametrize("net, strategy", [("resnet50", "chen_sqrt"), ("googlenet", "approx_dp"),
                                            ("unet", "quarter")])
 def test_a_compiled_plan_computes_plain_pytorchs_step(net, strategy):
     """In float64 on cpu (aot_eager with inductor's decompositions): loss, gradients and BatchNorm statistics
-    of one compiled step under the plan equal plain eager PyTorch's."""
+    of one compiled step under the plan equal plain eager PyTorch's (dropout off: compiled random ops draw from
+    decomposed kernels, so eager is no reference for them; the next test replays them)."""
     batch, side = SMALL.get(net, (2, 64))
     torch.manual_seed(0)
     model, x, loss_fn = nets.build(net, batch, side, device="cpu")
     model, x = _float64(model, x)
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.eval()
     reference = copy.deepcopy(model)
     reference_loss = loss_fn(reference(x))
     reference_loss.backward()
@@ -181,13 +185,13 @@ def compiled_vanilla(net: str, batch: int, side: int) -> dict:
 
 
 # ResNet-152 is ResNet-50's blocks, more; DenseNet-161's compile alone took 113 s of CI's 15 minutes (it
-# held 3% or less when it ran here, and its compiled plan's exactness is tested above).
+# held 3% or less when it ran here).
 @pytest.mark.parametrize("net", [net for net in nets.PAPER_NETS if net not in ("resnet152", "densenet161")])
 def test_compiled_plans_hold_what_the_eager_plan_holds_within_the_budget(net):
     """On meta (the AOT replay), a compiled recomputing plan holds at most 3% more than the eager executor
     does (the compiler may hold less: it also recomputes cheap ops of kept nodes), within its budget (NOTE
-    [what the compiler holds besides the plan] in harness/run.py), and where the eager plan saves memory,
-    less than compiled vanilla. The budget: halfway between the tc DP's least and vanilla's peak."""
+    [what the compiler holds besides the plan] in harness/run.py), and on ResNet-50, where the eager plan saves
+    memory, less than compiled vanilla. The budget: halfway between the tc DP's least and vanilla's peak."""
     batch, side = (1, 188) if net == "unet" else (8, 128)
     cell = dict(batch_size=batch, image_size=side)
     vanilla = run_cell(net, "vanilla", **cell)
@@ -195,40 +199,46 @@ def test_compiled_plans_hold_what_the_eager_plan_holds_within_the_budget(net):
     budget = (least + vanilla["measured_peak_bytes"]) // 2
     rows = {compile: run_cell(net, "approx_dp", budget=budget, options={"mode": "tc"}, compile=compile, **cell)
             for compile in (False, True)}
-    compiled_vanilla_peak = compiled_vanilla(net, batch, side)["measured_peak_bytes"]
     assert all(row["status"] == "ok" for row in rows.values()), [row.get("error") for row in rows.values()]
     assert rows[True]["compiled"] and rows[True]["compile_time_s"] > 0
     eager, compiled = rows[False]["measured_peak_bytes"], rows[True]["measured_peak_bytes"]
     assert compiled <= budget, f"compiled {compiled:,} over its budget {budget:,}"
     assert compiled <= 1.03 * eager, f"compiled {compiled:,} against eager {eager:,}"
-    if eager < 0.95 * vanilla["measured_peak_bytes"]:
-        assert compiled < compiled_vanilla_peak
+    # Compiled vanilla on ResNet-50 alone: it is compiled once for the checkpoint peers too (PSPNet's took 50 s).
+    if net == "resnet50" and eager < 0.95 * vanilla["measured_peak_bytes"]:
+        assert compiled < compiled_vanilla(net, batch, side)["measured_peak_bytes"]
 
 
-def eager_plus(measure_built, over: list[int]):
-    """A ``_measure_built`` that runs each compiled cell's plan eager and measures it ``over[0]`` bytes higher:
-    the compiler's (or the device's) excess, planted."""
+def eager_plus(monkeypatch, over: list[int]):
+    """Compiled cells whose plan runs eager, measured ``over[0]`` bytes higher: the compiler's (or the device's)
+    excess, planted. What is tested is the cell's handling of the excess, so nothing is compiled (a compile of
+    ResNet-50 takes 20-40 s)."""
+    import harness.run
+
+    def eager_step(traced, plan, example_input, loss_fn):
+        return lambda: execute(traced, plan, example_input, loss_fn=loss_fn)
+
+    measure_built = harness.run._measure_built
+
     def planted(row, cell):
-        eager = SimpleNamespace(**{**vars(cell), "step": lambda: execute(cell.traced, cell.plan, cell.example_input,
-                                                                          loss_fn=cell.loss_fn)})
-        measured = measure_built({**row, "compiled": False}, eager)
+        measured = measure_built({**row, "compiled": False}, cell)
         return {**measured, "measured_peak_bytes": measured["measured_peak_bytes"] + over[0]}
-    return planted
+
+    monkeypatch.setattr(harness.run, "compiled_plan_step", eager_step)
+    monkeypatch.setattr(harness.run, "_measure_built", planted)
 
 
 def test_a_compiled_plan_over_its_budget_is_solved_again_for_what_the_compiler_holds(monkeypatch):
     """The compiler's excess over the plan's replay is planted (each plan runs eager, measured, plus the excess):
     the cell is solved again with the excess off its budget, and the row says so; where nothing fits that, the
     row is infeasible, naming the least budget a compiled plan needs."""
-    import harness.run
-
     cell = dict(batch_size=2, image_size=64, options={"mode": "tc"})
     least = run_cell("resnet50", "approx_dp", budget=1, **cell)["min_feasible_bytes"]
     vanilla = run_cell("resnet50", "vanilla", batch_size=2, image_size=64)
     assert vanilla["status"] == "ok", vanilla.get("error")
     budget = (least + vanilla["predicted_peak_bytes"]) // 2
     excess = [(budget - least) // 4]
-    monkeypatch.setattr(harness.run, "_measure_built", eager_plus(harness.run._measure_built, excess))
+    eager_plus(monkeypatch, excess)
     row = run_cell("resnet50", "approx_dp", budget=budget, compile=True, **cell)
     assert row["status"] == "ok", row.get("error")
     assert row["compile_excess_bytes"] == excess[0] and row["plan_budget_bytes"] == budget - excess[0]
@@ -258,7 +268,7 @@ def test_a_compiled_plan_over_its_budget_by_the_devices_reserve_alone_is_not_sol
     eager = run_cell("resnet50", "approx_dp", budget=budget, **cell)
     reserve = budget - eager["predicted_peak_bytes"] + 2**20  # the step measures a MiB over its budget
     compiled_over = [reserve]
-    monkeypatch.setattr(harness.run, "_measure_built", eager_plus(harness.run._measure_built, compiled_over))
+    eager_plus(monkeypatch, compiled_over)
     monkeypatch.setattr(harness.run, "build_cell", counted)
     monkeypatch.setattr(harness.run, "_eager_peak", lambda row, cell, predicted: predicted + reserve)
     row = run_cell("resnet50", "approx_dp", budget=budget, compile=True, **cell)

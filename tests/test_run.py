@@ -270,3 +270,33 @@ def test_a_cell_measured_in_a_process_of_its_own_is_the_cell_measured_here(tmp_p
     apart = run_cell("vgg19", "chen_sqrt", batch_size=2, image_size=32, isolate=True, results_dir=tmp_path)
     assert apart["status"] == "ok", apart.get("error")
     assert apart["measured_peak_bytes"] == here["measured_peak_bytes"] and load_results(tmp_path).shape[0] == 1
+
+
+def test_meta_cells_on_one_net_and_size_share_a_trace_and_measure_what_fresh_cells_do(monkeypatch):
+    """NOTE [traces kept between cells]: a sweep's meta cells on one net and size trace once; each measures to the
+    byte what it measures traced afresh (a step's gradients left on the shared model would show here); a cell that
+    compiles, or on another size, traces anew."""
+    traced_net, traces = harness.run.traced_net, []
+
+    def counted(*args, **kwargs):
+        traces.append(args[:3])
+        return traced_net(*args, **kwargs)
+
+    monkeypatch.setattr(harness.run, "traced_net", counted)
+    monkeypatch.setattr(harness.run, "_KEPT_TRACES", {})
+    fields = ["status", "measured_peak_bytes", "predicted_peak_bytes", "measured_grads_bytes", "measured_step_flops"]
+    cells = [("vanilla", {}), ("chen_sqrt", {}), ("approx_dp", {"budget": 1}), ("torch_checkpoint_blocks", {})]
+    kept = [run_cell("resnet50", strategy, batch_size=2, image_size=32, **kwargs) for strategy, kwargs in cells]
+    assert traces == [("resnet50", 2, 32)]
+    fresh = []
+    for strategy, kwargs in cells:
+        harness.run._KEPT_TRACES.clear()
+        fresh.append(run_cell("resnet50", strategy, batch_size=2, image_size=32, **kwargs))
+    assert [[row.get(f) for f in fields] for row in kept] == [[row.get(f) for f in fields] for row in fresh]
+    assert kept[1]["status"] == "ok" and kept[2]["status"] == "infeasible"
+    traces.clear()
+    run_cell("resnet50", "chen_sqrt", batch_size=2, image_size=32)
+    run_cell("resnet50", "chen_sqrt", batch_size=4, image_size=32)
+    run_cell("vgg19", "chen_sqrt", batch_size=1, image_size=32)
+    run_cell("vgg19", "chen_sqrt", batch_size=1, image_size=32, compile=True)
+    assert traces == [("resnet50", 4, 32), ("vgg19", 1, 32), ("vgg19", 1, 32)]
