@@ -140,7 +140,7 @@ def _traced_for(row: dict) -> SimpleNamespace:
         return traced_net(*args, **row["net_options"])
     key = (*args, json.dumps(row["net_options"], sort_keys=True, default=repr))
     if key not in _KEPT_TRACES:
-        while _KEPT_TRACES and len(_KEPT_TRACES) >= _KEPT_AT_MOST:
+        if len(_KEPT_TRACES) == _KEPT_AT_MOST:
             del _KEPT_TRACES[next(iter(_KEPT_TRACES))]  # the oldest
         _KEPT_TRACES[key] = traced_net(*args, **row["net_options"])
     return _KEPT_TRACES[key]
