@@ -4,6 +4,7 @@ import pandas as pd
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.execute import execute
 from harness.measure import check_device, measure
@@ -149,3 +150,74 @@ def test_cuda_tables_put_gpu_time_ratios_beside_wall_time_ratios():
     claim = figure3.tc_against_chen(figure3.points(curves, 10**10))
     assert claim == ["resnet152: at batch 8 (twice vanilla's 4), tc/Chen = 0.75 (tc 1.33x faster; the paper: "
                      "1.16x); in GPU kernel time 0.92"]
+
+
+def _layouts(out):
+    outputs = out if isinstance(out, tuple) else (out,)
+    return [None if t is None else (t.shape, t.stride(), t.storage_offset(), t.dtype, t.untyped_storage().nbytes())
+            for t in outputs]
+
+
+def test_a_meta_kernel_remembered_makes_the_layouts_the_kernel_made(monkeypatch):
+    """NOTE [meta kernels remembered]: an op called again on the same layouts hands back new outputs of the
+    layouts its kernel made (channels-last, bfloat16, a missing gradient); a scalar of another type is another
+    call; views and in-place ops are never remembered."""
+    from harness import measure
+
+    aten = torch.ops.aten
+    monkeypatch.setattr(measure, "_META_OUTPUTS", {})
+    x = torch.empty(2, 8, 5, 5, device="meta").to(memory_format=torch.channels_last)
+    w, b, mean, var = (torch.empty(8, device="meta") for _ in range(4))
+    ints = torch.empty(3, dtype=torch.int64, device="meta")
+    calls = [(aten.native_batch_norm.default, (x, w, b, mean, var, True, 0.1, 1e-5)),
+             (aten.native_batch_norm.default, (x.bfloat16(), None, None, None, None, True, 0.1, 1e-5)),
+             (aten.native_batch_norm_backward.default, (x, x, w, mean, var, mean, var, True, 1e-5,
+                                                         [True, False, True])),
+             (aten.upsample_bilinear2d.default, (x, [9, 7], False)),
+             (aten.add.Tensor, (ints, 1)), (aten.add.Tensor, (ints, 1.0)), (aten.add.Tensor, (ints, True))]
+    for func, args in calls:
+        made = func(*args)
+        first = measure.meta_call(func, args, {})
+        again = measure.meta_call(func, args, {})
+        assert _layouts(first) == _layouts(again) == _layouts(made), func
+        assert all(a is None or a.untyped_storage()._cdata != b.untyped_storage()._cdata
+                   for a, b in zip(*(o if isinstance(o, tuple) else (o,) for o in (first, again))))
+    assert len(measure._META_OUTPUTS) == len(calls)
+    assert [measure.meta_call(aten.add.Tensor, (ints, s), {}).dtype for s in (1, 1.0)] == [torch.int64, torch.float32]
+
+    class Seen(TorchDispatchMode):  # a mode outside the tracker's sees every op, remembered or not
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    seen = []
+    with Seen():
+        measure.meta_call(*calls[0], {})
+    assert seen == [calls[0][0]]
+    flat = x.contiguous()
+    measure.meta_call(aten.view.default, (flat, [-1]), {})
+    measure.meta_call(aten.add_.Tensor, (flat, flat), {})
+    assert len(measure._META_OUTPUTS) == len(calls)
+
+
+def test_a_meta_run_measures_and_traces_what_it_does_with_no_kernel_remembered(monkeypatch):
+    """Every measured and predicted figure of a meta cell (a BatchNorm net under a recomputing plan: the
+    recomputation's kernels are remembered from the forward's) is what it is with every kernel run."""
+    import harness.run
+    from harness import measure
+    from harness.run import run_cell
+
+    cell = dict(batch_size=2, image_size=64)
+    fields = ["measured_peak_bytes", "predicted_peak_bytes", "step_flops", "params_bytes", "grads_bytes",
+              "activations_bytes", "min_feasible_bytes"]
+    rows = []
+    for remembered in (True, False):
+        monkeypatch.setattr(harness.run, "_KEPT_TRACES", {})
+        monkeypatch.setattr(measure, "_META_OUTPUTS", {})
+        if not remembered:
+            monkeypatch.setattr(measure, "meta_call", lambda func, args, kwargs: func(*args, **kwargs))
+        row = run_cell("googlenet", "chen_sqrt", **cell)
+        assert row["status"] == "ok", row.get("error")
+        rows.append({field: row.get(field) for field in fields})
+        assert bool(measure._META_OUTPUTS) == remembered
+    assert rows[0] == rows[1]
