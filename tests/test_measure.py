@@ -208,8 +208,8 @@ def test_a_meta_run_measures_and_traces_what_it_does_with_no_kernel_remembered(m
     from harness.run import run_cell
 
     cell = dict(batch_size=2, image_size=64)
-    fields = ["measured_peak_bytes", "predicted_peak_bytes", "step_flops", "params_bytes", "grads_bytes",
-              "activations_bytes", "min_feasible_bytes"]
+    fields = ["measured_peak_bytes", "measured_params_bytes", "measured_grads_bytes", "measured_activations_bytes",
+              "measured_step_flops", "predicted_peak_bytes", "predicted_peak_no_liveness_bytes", "predicted_step_flops"]
     rows = []
     for remembered in (True, False):
         monkeypatch.setattr(harness.run, "_KEPT_TRACES", {})
@@ -218,6 +218,7 @@ def test_a_meta_run_measures_and_traces_what_it_does_with_no_kernel_remembered(m
             monkeypatch.setattr(measure, "meta_call", lambda func, args, kwargs: func(*args, **kwargs))
         row = run_cell("googlenet", "chen_sqrt", **cell)
         assert row["status"] == "ok", row.get("error")
-        rows.append({field: row.get(field) for field in fields})
+        rows.append({field: row[field] for field in fields})
+        assert all(figure > 0 for figure in rows[-1].values()), rows[-1]
         assert bool(measure._META_OUTPUTS) == remembered
     assert rows[0] == rows[1]
