@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the figures the tests compare nor the DPs' plans depend on how many threads compute them.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    _THREADS = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    _THREADS = max(1, _CORES // _WORKERS)
     torch.set_num_threads(_THREADS)
     numba.set_num_threads(min(_THREADS, numba.config.NUMBA_NUM_THREADS))
