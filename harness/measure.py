@@ -49,8 +49,9 @@ or ``out=`` op (an alias in the schema's returns, or a mutable schema), and an o
 version counter, handed back an input's storage, made outputs that share a storage or made one off meta, is
 run every time. Arguments the key cannot hold (a generator, a symbolic size, a tensor subclass) run the op
 too, and so does every op while another dispatch mode is outside the tracker, which would not see a
-remembered call (the trace's FLOP counter is one). The storages are new either way, so the tracker
-counts them as it counts any op's.
+remembered call. The storages are new either way, so the tracker counts them as it counts any op's. The
+trace's probe remembers the same way (``harness.tracer.Draws``), with its FLOP counter entered inside, where
+it sees every op first and counts it from its outputs' sizes.
 """
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ class Probe(fx.Interpreter):
         self.node_inputs[node.name] = inputs  # which buffers a later node writes is known at the end
         called = self.module.get_submodule(node.target) if node.op == "call_module" else None
         attributes_before = {id(storage_of(t)) for t in non_leaf_attributes(called)} if called is not None else set()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, draws, grad_mode(node):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), draws, flops, grad_mode(node):
             try:
                 result = super().run_node(node)
             except (RuntimeError, NotImplementedError) as error:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
+if TYPE_CHECKING:
+    import pandas as pd
 
 SCHEMA_VERSION = 2  # 2: rows carry predicted_step_flops; resume re-runs rows of an older version
 STATUSES = ("ok", "oom", "infeasible", "timeout", "error")
@@ -90,6 +93,8 @@ def read_row(path: str | os.PathLike) -> dict:
 
 def load_results(path: str | os.PathLike) -> pd.DataFrame:
     """Every row under ``path`` (a row file or a folder searched recursively), one DataFrame row each."""
+    import pandas as pd  # a cell writes its row without pandas (NOTE [imported where used] in harness/nets.py)
+
     path = Path(path)
     files = [path] if path.is_file() else sorted(path.rglob("*.json"))
     rows = [read_row(f) for f in files]
@@ -115,7 +120,12 @@ def device_time(row) -> dict:
     ``HOST_BOUND`` times the kernel time: the harness's host work, not the strategy, sets the time); empty for
     rows without a kernel time (meta and cpu rows, and rows measured before the GPU's time was taken)."""
     kernel_ms, wall_ms = row.get("gpu_kernel_ms"), row.get("step_time_ms")
-    if kernel_ms is None or wall_ms is None or pd.isna(kernel_ms) or pd.isna(wall_ms) or kernel_ms <= 0:
+    if not _number(kernel_ms) or not _number(wall_ms) or kernel_ms <= 0:
         return {"GPU ms": None, "GPU busy": None, "host-bound": ""}
     return {"GPU ms": kernel_ms, "GPU busy": kernel_ms / wall_ms,
             "host-bound": "yes" if wall_ms > HOST_BOUND * kernel_ms else "no"}
+
+
+def _number(value) -> bool:
+    """Whether a table's cell holds a number (not None, and not the NaN a missing value is in a DataFrame)."""
+    return value is not None and not math.isnan(value)

@@ -147,6 +147,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
+from harness.measure import meta_call
 from harness.state import rng_state, set_rng_state
 from harness.traced import TraceFailure, describe
 
@@ -416,13 +417,15 @@ def _applying(cls: type) -> Callable:
 
 class Draws(TorchDispatchMode):
     """Whether an op drew random numbers: ATen tags every op that consumes the generator
-    ``nondeterministic_seeded`` (dropout's bernoulli_, rand, randn, randperm, SDPA's dropout)."""
+    ``nondeterministic_seeded`` (dropout's bernoulli_, rand, randn, randperm, SDPA's dropout). On meta, with no
+    mode outside it, an op's kernel runs once per layout (NOTE [meta kernels remembered]): a mode that must see
+    every op (the probe's FLOP counter) is entered inside this one."""
 
     seen = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.seen = self.seen or torch.Tag.nondeterministic_seeded in func.tags
-        return func(*args, **(kwargs or {}))
+        return meta_call(func, args, kwargs or {})
 
 
 class _DrawsAsCalls(TorchFunctionMode):

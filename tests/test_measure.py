@@ -202,8 +202,10 @@ def test_a_meta_kernel_remembered_makes_the_layouts_the_kernel_made(monkeypatch)
 
 def test_a_meta_run_measures_and_traces_what_it_does_with_no_kernel_remembered(monkeypatch):
     """Every measured and predicted figure of a meta cell (a BatchNorm net under a recomputing plan: the
-    recomputation's kernels are remembered from the forward's) is what it is with every kernel run."""
+    recomputation's kernels are remembered from the forward's, and the trace's from its probe's) is what it is
+    with every kernel run."""
     import harness.run
+    import harness.tracer
     from harness import measure
     from harness.run import run_cell
 
@@ -214,8 +216,9 @@ def test_a_meta_run_measures_and_traces_what_it_does_with_no_kernel_remembered(m
     for remembered in (True, False):
         monkeypatch.setattr(harness.run, "_KEPT_TRACES", {})
         monkeypatch.setattr(measure, "_META_OUTPUTS", {})
-        if not remembered:
-            monkeypatch.setattr(measure, "meta_call", lambda func, args, kwargs: func(*args, **kwargs))
+        if not remembered:  # the tracker's, and the trace's probe's (``Draws``)
+            for module in (measure, harness.tracer):
+                monkeypatch.setattr(module, "meta_call", lambda func, args, kwargs: func(*args, **kwargs))
         row = run_cell("googlenet", "chen_sqrt", **cell)
         assert row["status"] == "ok", row.get("error")
         rows.append({field: row[field] for field in fields})
