@@ -9,8 +9,8 @@ NOTE [measurement protocol]
   copies in host memory) are counted apart, as ``host``, and never in the device's peak.
 - ``meta``: the real program on meta tensors, nothing allocated; the tracker's peak is the measurement.
   No time is measured (there is nothing to time). The tracker counts the same step's FLOPs too, by the
-  rules ``FlopCounterMode`` counts with (``torch.utils.flop_counter``'s registry): that mode's module hooks
-  hold tensors the tracker would count, so it needed a step of its own.
+  rules ``FlopCounterMode`` counts with (``torch.utils.flop_counter``'s registry, ``op_flops``): that mode's
+  module hooks hold tensors the tracker would count, so it needed a step of its own.
 - ``cpu``: the tracker's peak, and the wall time of a step, median and IQR of ``timed_steps`` steps after
   ``warmup_steps`` (the tracker is off while timing).
 - ``cuda``: ``gc``, ``empty_cache`` and ``reset_peak_memory_stats``, one step, then
@@ -50,8 +50,8 @@ version counter, handed back an input's storage, made outputs that share a stora
 run every time. Arguments the key cannot hold (a generator, a symbolic size, a tensor subclass) run the op
 too, and so does every op while another dispatch mode is outside the tracker, which would not see a
 remembered call. The storages are new either way, so the tracker counts them as it counts any op's. The
-trace's probe remembers the same way (``harness.tracer.Draws``), with its FLOP counter entered inside, where
-it sees every op first and counts it from its outputs' sizes.
+trace's probe remembers the same way (``harness.tracer.Draws``, which counts the FLOPs as the tracker does,
+``op_flops``).
 """
 
 from __future__ import annotations
@@ -182,8 +182,7 @@ class MemoryTracker(TorchDispatchMode):
         self._count_sum()
         kwargs = kwargs or {}
         out = meta_call(func, args, kwargs)
-        if (count := flop_registry.get(func._overloadpacket)) is not None:
-            self.flops += count(*args, **kwargs, out_val=out)
+        self.flops += op_flops(func, args, kwargs, out)
         part = "host" if getattr(_placement, "host", 0) else "activations"
         if func is torch.ops.aten.add.Tensor and _is_gradient_sum(out, args):
             self._sum = (weakref.ref(out.untyped_storage()), part)
@@ -203,6 +202,15 @@ class MemoryTracker(TorchDispatchMode):
 _META_OUTPUTS: dict = {}  # (op, default dtype, arguments' layouts) -> outputs' layouts, or None: run it
 _META_KEPT_AT_MOST = 200_000  # keys, across every net a process traces and measures
 _REMEMBERABLE: dict = {}  # op -> whether its schema rules out returning an alias and writing an input
+
+
+def op_flops(func, args, kwargs, out) -> int:
+    """The FLOPs of one op as it reaches a dispatch mode, by ``torch.utils.flop_counter``'s registry (an op with
+    no rule there counts none). The trace's prediction and the tracker's measurement both count by it.
+    ``FlopCounterMode`` also runs the Python decomposition of an op it has no rule for and counts the parts; on
+    the zoo that is BatchNorm's, whose parts have no rule either (a test holds the two counts equal)."""
+    count = flop_registry.get(func._overloadpacket)
+    return 0 if count is None else count(*args, **kwargs, out_val=out)
 
 
 def meta_call(func, args, kwargs):

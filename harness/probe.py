@@ -63,7 +63,6 @@ import weakref
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._pytree import tree_leaves
 
 from harness.state import grad_mode, written_state
@@ -173,14 +172,13 @@ class Probe(fx.Interpreter):
             saved.append(t)
             return t
 
-        flops = FlopCounterMode(display=False)  # for cost_model=flops, and every graph's ``flops``
         inputs = [t for t in tree_leaves(self._inputs(node)) if isinstance(t, torch.Tensor)]
         versions = [t._version for t in inputs]
-        draws = Draws()
+        draws = Draws()  # its FLOPs: for cost_model=flops, and every graph's ``flops``
         self.node_inputs[node.name] = inputs  # which buffers a later node writes is known at the end
         called = self.module.get_submodule(node.target) if node.op == "call_module" else None
         attributes_before = {id(storage_of(t)) for t in non_leaf_attributes(called)} if called is not None else set()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), draws, flops, grad_mode(node):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), draws, grad_mode(node):
             try:
                 result = super().run_node(node)
             except (RuntimeError, NotImplementedError) as error:
@@ -197,7 +195,7 @@ class Probe(fx.Interpreter):
         if state:
             self.shared_state[node.name] = frozenset(state)
         written = [t for t, v in zip(inputs, versions) if t._version != v and id(storage_of(t)) not in self.static]
-        self._record(node, result, saved, flops.get_total_flops(), written)
+        self._record(node, result, saved, draws.flops, written)
         if called is not None and (g := self.group_of.get(node.name)) is not None:  # NOTE [tensors a module keeps]
             made = [t for t in non_leaf_attributes(called)
                     if id(storage_of(t)) not in attributes_before and self._group(storage_of(t)) is None]

@@ -147,7 +147,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
-from harness.measure import meta_call
+from harness.measure import meta_call, op_flops
 from harness.state import rng_state, set_rng_state
 from harness.traced import TraceFailure, describe
 
@@ -416,16 +416,20 @@ def _applying(cls: type) -> Callable:
 
 
 class Draws(TorchDispatchMode):
-    """Whether an op drew random numbers: ATen tags every op that consumes the generator
-    ``nondeterministic_seeded`` (dropout's bernoulli_, rand, randn, randperm, SDPA's dropout). On meta, with no
-    mode outside it, an op's kernel runs once per layout (NOTE [meta kernels remembered]): a mode that must see
-    every op (the probe's FLOP counter) is entered inside this one."""
+    """Whether an op drew random numbers (``seen``): ATen tags every op that consumes the generator
+    ``nondeterministic_seeded`` (dropout's bernoulli_, rand, randn, randperm, SDPA's dropout); and the ops'
+    FLOPs (``flops``, counted as the tracker counts them, ``measure.op_flops``). On meta, with no mode outside
+    it, an op's kernel runs once per layout (NOTE [meta kernels remembered])."""
 
     seen = False
+    flops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.seen = self.seen or torch.Tag.nondeterministic_seeded in func.tags
-        return meta_call(func, args, kwargs or {})
+        kwargs = kwargs or {}
+        out = meta_call(func, args, kwargs)
+        self.flops += op_flops(func, args, kwargs, out)
+        return out
 
 
 class _DrawsAsCalls(TorchFunctionMode):

@@ -33,6 +33,20 @@ def test_flop_cost_model():
         trace(model, torch.randn(3, 8), cost_model="seconds")
 
 
+@pytest.mark.parametrize("net", ["googlenet", "gpt2"])
+def test_the_graphs_flops_are_what_pytorchs_flop_counter_counts_in_the_forward(net):
+    """Each IR node's FLOPs are counted per op by ``torch.utils.flop_counter``'s registry, without the Python
+    decompositions ``FlopCounterMode`` runs for ops it has no rule for (BatchNorm's: none of its parts has one
+    either); on a BatchNorm net and on attention, the forward's total is the library's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, x, loss_fn = nets.build(net, 2, 64, "meta", "float32")
+    graph = trace(model, x, loss_fn=loss_fn).graph
+    with FlopCounterMode(display=False) as counter:
+        model(x)
+    assert sum(graph.flops) == counter.get_total_flops() > 0
+
+
 def test_a_callable_cost_model_weighs_each_call_and_the_dp_plans_by_it():
     """A user's cost model: each fx call weighed by a callable of (what it calls, its FLOPs), summed per IR node."""
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.Linear(16, 2))
