@@ -120,6 +120,9 @@ def test_a_cuda_rows_kernel_time_says_whether_the_host_set_the_step():
         "GPU ms": 100.0, "GPU busy": 100.0 / 105.0, "host-bound": "no"}
     assert device_time({"gpu_kernel_ms": 100.0, "step_time_ms": 150.0})["host-bound"] == "yes"
     assert device_time({"step_time_ms": 150.0}) == {"GPU ms": None, "GPU busy": None, "host-bound": ""}
+    # a row read into a DataFrame beside rows that have a kernel time: NaN where it has none
+    assert device_time({"gpu_kernel_ms": float("nan"), "step_time_ms": 150.0}) == {
+        "GPU ms": None, "GPU busy": None, "host-bound": ""}
 
 
 def test_cuda_tables_put_gpu_time_ratios_beside_wall_time_ratios():
