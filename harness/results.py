@@ -120,12 +120,12 @@ def device_time(row) -> dict:
     ``HOST_BOUND`` times the kernel time: the harness's host work, not the strategy, sets the time); empty for
     rows without a kernel time (meta and cpu rows, and rows measured before the GPU's time was taken)."""
     kernel_ms, wall_ms = row.get("gpu_kernel_ms"), row.get("step_time_ms")
-    if not _number(kernel_ms) or not _number(wall_ms) or kernel_ms <= 0:
+    if not is_number(kernel_ms) or not is_number(wall_ms) or kernel_ms <= 0:
         return {"GPU ms": None, "GPU busy": None, "host-bound": ""}
     return {"GPU ms": kernel_ms, "GPU busy": kernel_ms / wall_ms,
             "host-bound": "yes" if wall_ms > HOST_BOUND * kernel_ms else "no"}
 
 
-def _number(value) -> bool:
+def is_number(value) -> bool:
     """Whether a table's cell holds a number (not None, and not the NaN a missing value is in a DataFrame)."""
     return value is not None and not math.isnan(value)

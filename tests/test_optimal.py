@@ -274,3 +274,23 @@ def test_bad_input(monkeypatch):
     with pytest.raises(ImportError, match=r"pip install ortools"):
         solve("optimal", graph)
     assert "optimal" in strategies.available()
+
+
+def test_the_optimality_table_gives_each_strategy_as_a_ratio_to_the_best_plan_or_why_it_has_none():
+    """A strategy with no plan in the budget (None in a row, NaN once rows are a DataFrame) shows its note; one
+    with a plan, its overhead over the best plan's, and at a best plan of no overhead, 1.00 or inf."""
+    import pandas as pd
+
+    from harness.bench.optimality import STRATEGIES, ratios
+    from harness.results import label
+
+    cell = {"net": "net", "batch": 1, "nodes": 3, "of the way": 0.0, "budget GB": 1.0, "optimum": 2.0,
+            "lower bound": 2.0, "gap": 0.0, "status": "optimal", "solve s": 0.1}
+    rows = []
+    for best, overhead in ((2.0, None), (2.0, math.nan), (2.0, 3.0), (0.0, 0.0), (0.0, 1.0)):
+        row = {**cell, "best": best}
+        for name, options in STRATEGIES:
+            row[label(name, options)], row[label(name, options) + " note"] = overhead, "over"
+        rows.append(row)
+    column = label(*STRATEGIES[0])
+    assert ratios(pd.DataFrame(rows))[column].tolist() == ["over", "over", "1.50", "1.00", "inf"]

@@ -14,7 +14,6 @@ resumes from them.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import platform
 import time
@@ -26,7 +25,7 @@ from tqdm import tqdm
 import strategies
 from harness import nets, peers
 from harness.bench.common import command_of, made_by, plt, save_figure
-from harness.results import label, read_row, write_row
+from harness.results import is_number, label, read_row, write_row
 from harness.run import traced_net
 
 GB = 1e9
@@ -125,7 +124,7 @@ def ratios(table: pd.DataFrame) -> pd.DataFrame:
 
         def ratio(row, column=column):
             value = row[column]
-            if value is None or (isinstance(value, float) and math.isnan(value)):
+            if not is_number(value):
                 return row[column + " note"]
             if row["best"] == 0:
                 return "1.00" if value == 0 else "inf"
