@@ -22,7 +22,8 @@ def main(cfg: DictConfig) -> None:
              device=cfg.device.name, budget=cfg.budget, cost_model=cfg.cost_model.value,
              options=OmegaConf.to_container(cfg.strategy.options, resolve=True), warmup_steps=cfg.device.warmup_steps,
              timed_steps=cfg.device.timed_steps, results_dir=cfg.results_dir, resume=cfg.resume,
-             net_options=net_options(cfg.net), compile=cfg.compile, dtype=cfg.dtype.value)
+             net_options=net_options(cfg.net), compile=cfg.compile,
+             dtype=None if cfg.dtype is None else cfg.dtype.value)
 
 
 def net_name(net: DictConfig) -> str:

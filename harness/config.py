@@ -33,7 +33,7 @@ class Config:
     batch_size: Optional[int] = None
     image_size: Optional[int] = None
     compile: bool = False
-    dtype: DType = DType.float32
+    dtype: Optional[DType] = None  # None: the net's own (float32; the Llamas bfloat16)
     budget: Any = None  # null, a byte count or a size such as 6GB (harness.budget.parse_budget)
     cost_model: CostModel = CostModel.paper
     results_dir: str = MISSING

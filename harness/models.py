@@ -156,12 +156,12 @@ def _hugging_face(model_type: str, kwargs: dict) -> dict:
 
     longest = getattr(config, "max_position_embeddings", None)
     return {"build_model": build, "batch_size": 8, "image_size": min(1024, longest or 1024), "input": "tokens",
-            "vocab_size": config.vocab_size, "loss": "next_token", "blocks": _decoder_layers,
+            "vocab_size": config.vocab_size, "loss": "next_token", "blocks": decoder_layers,
             "valid_side": lambda side: 2 <= side <= (longest or side),
             "side_rule": f"from 2 to {longest} (the config's max_position_embeddings)" if longest else "at least 2"}
 
 
-def _decoder_layers(model: nn.Module) -> list[str]:
+def decoder_layers(model: nn.Module) -> list[str]:
     """The layers of the model's longest ``nn.ModuleList`` of one class (a decoder's), which
     ``gradient_checkpointing_enable()`` checkpoints one by one."""
     lists = [(path, layers) for path, layers in model.named_modules() if isinstance(layers, nn.ModuleList)

@@ -14,6 +14,12 @@ paper's Chainer models cannot be had exactly:
 - ``vit_b_16``: torchvision's ViT-B/16 at 224x224, batch 64, dropout 0.1 in the MLPs and attention.
 - ``gpt2``: GPT-2 small (``GPT2`` below), sequence 1024, batch 8, next-token cross-entropy. For token
   inputs ``image_size`` is the sequence length.
+- ``llama_1b`` and ``llama_8b``: Llama-class decoders as Hugging Face ``transformers`` builds them
+  (``LlamaForCausalLM``, SDPA attention, parameters in bfloat16 as their configs say), never pretrained:
+  ``llama_1b`` has Llama 3.2 1B's shape (16 layers, hidden 2048, 32 query and 8 key-value heads, tied
+  embeddings; 1.24B parameters), sequence 2048, batch 4; ``llama_8b`` Llama 3.1 8B's (32 layers, hidden
+  4096, MLP 14336, 32 query and 8 key-value heads; 8.03B parameters), sequence 4096, batch 1. Both have a
+  vocabulary of 128,256 and need ``transformers`` (``pip install '.[hf]'``).
 
 Other models are named ``SOURCE:NAME`` (``harness.models``: ``torchvision:convnext_tiny``,
 ``timm:vit_small_patch16_224``, ``module:my_pkg.models:build``).
@@ -289,6 +295,34 @@ NETS = {
 }
 
 
+def _llama(**shape) -> Callable[[], nn.Module]:
+    """A ``transformers`` Llama of ``shape`` (config fields) in bfloat16, fed token ids alone."""
+    def build():
+        try:
+            import transformers
+        except ImportError as error:
+            raise ImportError(f"the zoo's Llama nets need Hugging Face transformers: pip install '.[hf]' "
+                              f"({error})") from error
+        config = transformers.LlamaConfig(vocab_size=128256, num_attention_heads=32, num_key_value_heads=8,
+                                          max_position_embeddings=8192, rope_theta=500000.0, dtype="bfloat16",
+                                          attn_implementation="sdpa", **shape)
+        return models.CausalLM(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16))
+
+    return build
+
+
+def _llama_spec(shape: dict, batch_size: int, sequence: int) -> NetSpec:
+    return NetSpec(_llama(**shape), batch_size=batch_size, image_size=sequence, loss="next_token", input="tokens",
+                   vocab_size=128256, dtype="bfloat16", valid_side=lambda side: 2 <= side <= 8192,
+                   side_rule="between 2 and 8192 (the config's max_position_embeddings)",
+                   blocks=models.decoder_layers)
+
+
+NETS["llama_1b"] = _llama_spec(dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
+                                    tie_word_embeddings=True), batch_size=4, sequence=2048)
+NETS["llama_8b"] = _llama_spec(dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                    tie_word_embeddings=False), batch_size=1, sequence=4096)
+
 PAPER_NETS = ("pspnet", "unet", "resnet50", "resnet152", "vgg19", "densenet161", "googlenet")  # Kusumoto et al.'s
 
 
@@ -321,12 +355,14 @@ def check_dtype(dtype: str) -> torch.dtype:
 
 
 def build(name: str, batch_size: int | None = None, image_size: int | None = None, device: str = "meta",
-          dtype: str = "float32", **options):
+          dtype: str | None = None, **options):
     """``(model, example_input, loss_fn)`` for net ``name``; sizes default to the net's (Kusumoto et al.'s for its
     nets). A token input's loss is next-token cross-entropy against the input itself. The model and a
-    float input are in ``dtype`` (``DTYPES``): a run trains in it, as a model cast with ``.to(dtype)`` does."""
-    torch_dtype = check_dtype(dtype)
+    float input are in ``dtype`` (``DTYPES``; None: the net's own, float32 but for the Llamas' bfloat16): a run
+    trains in it, as a model cast with ``.to(dtype)`` does."""
     net = spec(name, **options)
+    dtype = net.dtype if dtype is None else dtype
+    torch_dtype = check_dtype(dtype)
     batch_size = net.batch_size if batch_size is None else batch_size
     image_size = net.image_size if image_size is None else image_size
     _check_sizes(net, name, batch_size, image_size)
@@ -343,7 +379,7 @@ def build(name: str, batch_size: int | None = None, image_size: int | None = Non
         example_input = torch.randint(0, net.vocab_size, (batch_size, image_size), generator=generator).to(device)
     else:
         example_input = torch.randn(batch_size, net.channels, image_size, image_size, device=device)
-    if dtype != "float32":  # a model that keeps some state in another float type keeps it by default
+    if dtype != net.dtype:  # a model that keeps some state in another float type keeps it by default
         model.to(torch_dtype)
         example_input = example_input.to(torch_dtype) if example_input.is_floating_point() else example_input
     loss_fn = LOSSES[net.loss]

@@ -31,6 +31,7 @@ class NetSpec:
     # The net as a chain for checkpoint_sequential: module paths and functional steps (``FUNCTIONAL``) that,
     # applied in turn, compute what ``forward`` does; empty where no chain exists (U-Net's long skips).
     sequence: Callable[[nn.Module], list[str]] = lambda model: []
+    dtype: str = "float32"  # what the net trains in unless the run says otherwise (its parameters and a float input)
 
 
 def _main_output(output):

@@ -1,10 +1,12 @@
 """PyTorch's own memory tools, run for real as peers of the strategies (``torch_checkpoint_blocks``,
-``torch_checkpoint_sequential``, ``torch_compile_budget``).
+``torch_checkpoint_sequential``, ``torch_compile_budget``, ``sac_ops``, ``megatron_selective``).
 
-A peer's plan (``strategies/torch_*.py``) names its ``runner``; ``step(plan, ...)`` returns the
-training step that runs it: the model itself, with ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``
-installed around the blocks for the step's duration, or the zoo's sequence of the net's modules under
-``checkpoint_sequential``. Recomputation runs a block's forward a second time,
+A peer's plan (``strategies/torch_*.py``, ``sac_ops.py``, ``megatron_selective.py``) names its ``runner``;
+``step(plan, ...)`` returns the training step that runs it: the model itself, with
+``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` installed around the blocks for the step's duration
+(with the plan's selective checkpointing policy as its ``context_fn``, ``selective_context``), or around each
+call of ``F.scaled_dot_product_attention`` (``attention_checkpointed``), or the zoo's sequence of the net's
+modules under ``checkpoint_sequential``. Recomputation runs a block's forward a second time,
 which would update BatchNorm running statistics twice; ``batchnorm_once`` keeps them to one update per
 step (the harness's exactness promise), which plain PyTorch does not.
 Under ``torch.compile`` the peers run as NOTE [measuring torch.compile] (``harness/compiled.py``) says.
@@ -15,12 +17,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import sys
 import traceback
 from functools import partial
+from unittest import mock
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_sequential,
+                                    create_selective_checkpoint_contexts)
 
 import strategies
 from harness import compiled
@@ -28,7 +35,8 @@ from harness.nets import FUNCTIONAL, MODEL_STEPS
 from strategies.torch_checkpoint_sequential import segment_starts
 
 
-PEERS = ("torch_checkpoint_blocks", "torch_checkpoint_sequential", "torch_compile_budget")  # run here
+PEERS = ("torch_checkpoint_blocks", "torch_checkpoint_sequential", "torch_compile_budget", "sac_ops",
+         "megatron_selective")  # run here
 
 
 def zoo_options(strategy: str, structure: dict[str, list[str]]) -> dict:
@@ -72,15 +80,65 @@ def _sequential_slice(children: list[nn.Module], x):
     return x
 
 
-def checkpointed(model: nn.Module, blocks: list[str]):
+def _op_sets():
+    aten = torch.ops.aten
+    matmuls = {aten.mm.default, aten.addmm.default}
+    fused = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    return matmuls, {getattr(aten, name).default for name in fused if hasattr(aten, name)}
+
+
+MATMULS, FUSED_ATTENTION = _op_sets()
+
+
+def selective_context(policy: str | None):
+    """``checkpoint``'s ``context_fn`` for a selective checkpointing policy (``strategies.plan.POLICIES``), or
+    None. "ops" saves the outputs of matmuls (``mm``, ``addmm``) and fused attention kernels and recomputes
+    every other op, as torchtitan's op policy does; "ops_every_second_mm" recomputes each block's second,
+    fourth, ... matmul too, counted apart in the forward and in the recomputation so that both choose alike."""
+    if policy is None:
+        return None
+
+    def context_fn():
+        counts = {False: 0, True: 0}  # matmuls so far, in the forward and in the recomputation
+
+        def choose(ctx, op, *args, **kwargs):
+            if op in MATMULS:
+                counts[ctx.is_recompute] += 1
+                skip = policy == "ops_every_second_mm" and counts[ctx.is_recompute] % 2 == 0
+                return CheckpointPolicy.PREFER_RECOMPUTE if skip else CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.MUST_SAVE if op in FUSED_ATTENTION else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(choose)
+
+    return context_fn
+
+
+class attention_checkpointed(TorchFunctionMode):
+    """Within the context, every call of ``F.scaled_dot_product_attention`` runs under ``checkpoint(...,
+    use_reentrant=False)``, as Megatron-LM's selective recomputation runs its attention core: its inputs and
+    output are kept, what it saves is dropped and made again in the backward. The backward must run outside
+    the context (the recomputation calls the function itself)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return checkpoint(func, *args, use_reentrant=False, **kwargs)
+        return func(*args, **kwargs)
+
+
+def checkpointed(model: nn.Module, blocks: list[str], policy: str | None = None):
     """Within the context, each block runs under ``checkpoint(..., use_reentrant=False)``: a module path
-    through its ``forward``, a slice ``parent[a:b]`` of an ``nn.Sequential`` through the parent's."""
-    return installed(checkpoint_forwards(model, blocks))
+    through its ``forward``, a slice ``parent[a:b]`` of an ``nn.Sequential`` through the parent's; with
+    ``policy``, a selective one (``selective_context``)."""
+    return installed(checkpoint_forwards(model, blocks, policy))
 
 
-def checkpoint_forwards(model: nn.Module, blocks: list[str]) -> dict[nn.Module, object]:
+def checkpoint_forwards(model: nn.Module, blocks: list[str], policy: str | None = None) -> dict[nn.Module, object]:
     """The ``forward`` each patched module gets for ``checkpointed`` (made once, so that a compiled step,
     which guards on them, sees the same ones at every call)."""
+    context_fn = selective_context(policy)
+    options = {"context_fn": context_fn} if context_fn else {}
     forwards = {}
     slices: dict[str, list[tuple[int, int]]] = {}
     for block in blocks:
@@ -89,12 +147,12 @@ def checkpoint_forwards(model: nn.Module, blocks: list[str]) -> dict[nn.Module, 
             slices.setdefault(sliced.group(1), []).append((int(sliced.group(2)), int(sliced.group(3))))
             continue
         module = model.get_submodule(block)
-        forwards[module] = partial(_checkpoint_copying_lists, module.forward)
+        forwards[module] = partial(_checkpoint_copying_lists, module.forward, options)
     for parent_path, ranges in slices.items():
         parent = model.get_submodule(parent_path)
         if not isinstance(parent, nn.Sequential):
             raise TypeError(f"block slice {parent_path}[...]: {parent_path} is not an nn.Sequential")
-        forwards[parent] = partial(_run_with_slices, list(parent), sorted(ranges))
+        forwards[parent] = partial(_run_with_slices, list(parent), sorted(ranges), options)
     return forwards
 
 
@@ -109,20 +167,20 @@ def installed(forwards: dict[nn.Module, object]):
             del module.forward  # back to the class's forward
 
 
-def _checkpoint_copying_lists(forward, *args, **kwargs):
+def _checkpoint_copying_lists(forward, options: dict, *args, **kwargs):
     # checkpoint keeps its arguments by reference for the recomputation; DenseNet's blocks pass a layer the
     # list of features so far and append to it afterwards, so the layer gets its own copy (as torchvision's
     # memory_efficient path does by unpacking the list). Keyword arguments (a decoder layer's attention mask
-    # and position embeddings) go to the block as they came.
+    # and position embeddings) go to the block as they came; ``options`` are checkpoint's own.
     return checkpoint(forward, *[list(a) if isinstance(a, list) else a for a in args], use_reentrant=False,
-                      **kwargs)
+                      **options, **kwargs)
 
 
-def _run_with_slices(children: list[nn.Module], ranges: list[tuple[int, int]], x):
+def _run_with_slices(children: list[nn.Module], ranges: list[tuple[int, int]], options: dict, x):
     position = 0
     for start, stop in ranges:
         x = _sequential_slice(children[position:start], x)
-        x = checkpoint(_sequential_slice, children[start:stop], x, use_reentrant=False)
+        x = checkpoint(_sequential_slice, children[start:stop], x, use_reentrant=False, **options)
         position = stop
     return _sequential_slice(children[position:], x)
 
@@ -169,8 +227,10 @@ def step(plan, model: nn.Module, structure: dict[str, list[str]], example_input:
         return compiled_step(model, example_input, loss_fn, plan.info["budget_ratio"])
     context = contextlib.nullcontext
     if runner == "torch_checkpoint":
-        forwards = checkpoint_forwards(model, structure["blocks"])
+        forwards = checkpoint_forwards(model, structure["blocks"], plan.policy)
         forward, context = model, partial(installed, forwards)
+    elif runner == "torch_checkpoint_attention":
+        forward = partial(_with_attention_checkpointed, model)
     elif runner == "torch_checkpoint_sequential":
         segments = int(plan.info["segments"])
         functions = sequential_functions(model, structure["sequence"], segments)
@@ -182,9 +242,11 @@ def step(plan, model: nn.Module, structure: dict[str, list[str]], example_input:
     if compile:
         return compiled.compiled_step(forward, model, example_input, loss_fn, context=context)
 
+    branches = traced_branches if example_input.device.type == "meta" else contextlib.nullcontext
+
     def run():
         try:
-            with batchnorm_once(model), context():
+            with batchnorm_once(model), context(), branches():
                 loss = loss_fn(forward(example_input))
                 loss.backward()
         except RuntimeError as error:
@@ -197,6 +259,25 @@ def step(plan, model: nn.Module, structure: dict[str, list[str]], example_input:
         return loss.detach()
 
     return run
+
+
+@contextlib.contextmanager
+def traced_branches():
+    """On meta, Hugging Face's mask code takes the branches it takes when traced. It reads values to choose a
+    branch (are the sequences packed? is the padding mask all ones?), which meta tensors hold none of, and
+    skips those reads under a tracer: the trace took those branches, and the peers run the program the IR
+    strategies run. Without ``transformers`` loaded, nothing to do."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None:
+        yield
+        return
+    with mock.patch.object(masking, "is_tracing", lambda *args, **kwargs: True):
+        yield
+
+
+def _with_attention_checkpointed(model: nn.Module, x):
+    with attention_checkpointed():
+        return model(x)
 
 
 def _user_code(error: Exception) -> str:

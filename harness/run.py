@@ -40,7 +40,7 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
              device: str = "meta", budget=None, cost_model: str = "paper", options: dict | None = None,
              warmup_steps: int = 2, timed_steps: int = 5, results_dir: str | Path | None = None,
              resume: bool = False, isolate: bool | None = None, net_options: dict | None = None,
-             compile: bool = False, dtype: str = "float32") -> dict:
+             compile: bool = False, dtype: str | None = None) -> dict:
     """Measure ``strategy`` on ``net`` (a zoo net or ``SOURCE:NAME`` with ``net_options``, ``harness.models``)
     and return the result row (also written under ``results_dir``).
 
@@ -87,14 +87,15 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
 
 def cell_row(net: str, strategy: str, *, batch_size: int | None = None, image_size: int | None = None,
              device: str = "meta", budget=None, cost_model: str = "paper", options: dict | None = None,
-             net_options: dict | None = None, compile: bool = False, dtype: str = "float32", warmup_steps: int = 2,
+             net_options: dict | None = None, compile: bool = False, dtype: str | None = None, warmup_steps: int = 2,
              timed_steps: int = 5) -> dict:
     """A cell's row before it is measured (``run_cell``'s arguments); bad input fails here, naming what is
-    valid, before anything is built."""
+    valid, before anything is built. ``dtype`` None is the net's own (``NetSpec.dtype``)."""
     net_options = dict(net_options or {})
     spec = nets.spec(net, **net_options)  # bad input fails here, before anything is built
     strategies.module(strategy)
     check_device(device)
+    dtype = spec.dtype if dtype is None else dtype
     nets.check_dtype(dtype)
     check_cost_model(cost_model, device)
     row = {
@@ -111,7 +112,7 @@ def cell_row(net: str, strategy: str, *, batch_size: int | None = None, image_si
 
 
 def traced_net(net: str, batch_size: int | None = None, image_size: int | None = None, device: str = "meta",
-               dtype: str = "float32", cost_model: str = "paper", **net_options) -> SimpleNamespace:
+               dtype: str | None = None, cost_model: str = "paper", **net_options) -> SimpleNamespace:
     """A zoo net built and traced with its loss, as every cell traces it: ``model``, ``example_input``,
     ``loss_fn`` and ``traced`` (sizes default to the net's paper sizes)."""
     model, example_input, loss_fn = nets.build(net, batch_size, image_size, device, dtype, **net_options)

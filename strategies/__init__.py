@@ -37,6 +37,8 @@ _MODULES = {
     "torch_checkpoint_sequential": "strategies.torch_checkpoint_sequential",
     "ilp_optimal": "strategies.ilp_optimal",
     "torch_compile_budget": "strategies.torch_compile_budget",
+    "sac_ops": "strategies.sac_ops",
+    "megatron_selective": "strategies.megatron_selective",
     "swap": "strategies.swap",
 }
 

@@ -38,7 +38,12 @@ class InfeasibleBudget(ValueError):
         super().__init__(f"{who}no plan fits a budget of {budget_bytes} bytes; {known}")
 
 
-RUNNERS = ("torch_checkpoint", "torch_checkpoint_sequential", "torch_compile")  # the peers' own steps (harness/peers.py)
+# The peers' own steps (harness/peers.py): checkpoint around blocks, checkpoint_sequential, torch.compile's budget,
+# checkpoint around each attention core.
+RUNNERS = ("torch_checkpoint", "torch_checkpoint_sequential", "torch_compile", "torch_checkpoint_attention")
+# Selective checkpointing policies a ``torch_checkpoint`` runner applies in each block (harness/peers.py): "ops" saves
+# the outputs of matmuls and fused attention kernels, "ops_every_second_mm" skips every second matmul of a block.
+POLICIES = ("ops", "ops_every_second_mm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +61,10 @@ class Plan:
     ``torch.utils.checkpoint`` runs a block (the PyTorch peers' plans): nothing the stage's layers save
     outlives its forward, its kept values serve the later stages alone, and its recomputation rebuilds
     every value its own backward reads, kept ones too (NOTE [a checkpointed stage] in
-    ``strategies/replay.py``). ``runner`` names what runs the step where it is not this project's executor
+    ``strategies/replay.py``). ``selective`` (a subset of ``kept`` within the checkpointed stages) holds the
+    values a selective checkpointing ``policy`` (``POLICIES``) saves: held from the forward, handed back to
+    the stage's recomputation instead of being computed again, and with them what their layers saved (NOTE
+    [selective checkpointing] in ``strategies/replay.py``). ``runner`` names what runs the step where it is not this project's executor
     (``RUNNERS``: a PyTorch peer runs the model itself), and ``predicted`` is False where the plan's memory is
     decided out of the IR's sight (``torch.compile``'s own partitioner), so the simulator has nothing to predict.
     """
@@ -73,12 +81,15 @@ class Plan:
     checkpointed: int = 0
     runner: str | None = None  # None: the executor (eager, or compiled with compile=true)
     predicted: bool = True
+    selective: int = 0
+    policy: str | None = None  # the runner's selective checkpointing policy (POLICIES), with ``selective``
 
     @classmethod
     def from_stages(cls, graph: Graph, stages: Iterable[Iterable[int] | int], *, strategy: str = "manual",
                     kept: Iterable[int] | int | None = None, budget_bytes: int | None = None,
                     solve_time_s: float = 0.0, info: dict[str, float] | None = None,
-                    checkpointed: int = 0, runner: str | None = None, predicted: bool = True) -> "Plan":
+                    checkpointed: int = 0, runner: str | None = None, predicted: bool = True,
+                    selective: Iterable[int] | int = 0, policy: str | None = None) -> "Plan":
         """A plan from its stages; ``kept`` defaults to the canonical cache ``U_k`` (Kusumoto et al. 2019)."""
         masks = tuple(s if isinstance(s, int) else bits(s) for s in stages)
         if kept is None:
@@ -87,9 +98,12 @@ class Plan:
             kept_mask = kept if isinstance(kept, int) else bits(kept)
         if runner is not None and runner not in RUNNERS:
             raise ValueError(f"Plan: unknown runner {runner!r}; valid: {', '.join(RUNNERS)}")
+        if policy is not None and policy not in POLICIES:
+            raise ValueError(f"Plan: unknown selective checkpointing policy {policy!r}; valid: {', '.join(POLICIES)}")
         plan = cls(strategy=strategy, stages=masks, kept=kept_mask, budget_bytes=budget_bytes,
                    solve_time_s=solve_time_s, info=dict(info or {}), checkpointed=checkpointed, runner=runner,
-                   predicted=predicted)
+                   predicted=predicted, selective=selective if isinstance(selective, int) else bits(selective),
+                   policy=policy)
         plan.validate(graph)
         return plan
 
@@ -154,6 +168,13 @@ class Plan:
         if self.checkpointed >> len(self.stages):
             raise ValueError(f"Plan: checkpointed names stage {self.checkpointed.bit_length() - 1}, but the plan has "
                              f"{len(self.stages)} stages")
+        inside = 0
+        for i in members(self.checkpointed):
+            inside |= self.stages[i]
+        if self.selective & ~(self.kept & inside):
+            v = members(self.selective & ~(self.kept & inside))[0]
+            raise ValueError(f"Plan: node {v} ({graph.names[v]}) is saved by a selective policy but is not a kept "
+                             "node of a checkpointed stage")
         if self.swapped & ~self.kept:
             v = members(self.swapped & ~self.kept)[0]
             raise ValueError(f"Plan: node {v} ({graph.names[v]}) is swapped but not kept; only a kept value can "

@@ -42,20 +42,27 @@ def block_of(scope: str, blocks: tuple[str, ...]) -> int | None:
     return None
 
 
-def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = None) -> Plan:
-    options = options or Options()
-    if not options.blocks:
-        raise ValueError("torch_checkpoint_blocks needs the net's blocks (module paths); the harness passes the "
-                         "zoo's list, a direct caller gives blocks=(...)")
+def block_stages(graph: Graph, blocks: tuple[str, ...]) -> tuple[list[int], int]:
+    """One stage per block (the nodes whose scopes lie in it, consecutive in node order), every node outside
+    a block a stage of its own; and the bitset of the blocks' stage indices."""
     stages, previous, checkpointed = [], None, 0
     for v in range(len(graph)):
-        block = block_of(graph.scopes[v], tuple(options.blocks))
+        block = block_of(graph.scopes[v], tuple(blocks))
         if block is not None and block == previous:
             stages[-1] |= 1 << v
         else:
             stages.append(1 << v)
             checkpointed |= (block is not None) << (len(stages) - 1)
         previous = block
+    return stages, checkpointed
+
+
+def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = None) -> Plan:
+    options = options or Options()
+    if not options.blocks:
+        raise ValueError("torch_checkpoint_blocks needs the net's blocks (module paths); the harness passes the "
+                         "zoo's list, a direct caller gives blocks=(...)")
+    stages, checkpointed = block_stages(graph, options.blocks)
     plan = Plan.from_stages(graph, stages, strategy="torch_checkpoint_blocks", budget_bytes=budget_bytes,
                             info={"blocks": len(options.blocks)}, checkpointed=checkpointed, runner=RUNNER)
     check_budget(graph, plan, budget_bytes)
