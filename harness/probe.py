@@ -452,7 +452,7 @@ _KINDS = [
      {"max_pool2d", "avg_pool2d", "adaptive_avg_pool2d"}),
     ("linear", (torch.nn.Linear,), {"linear"}),
     ("matmul", (), {"matmul"}),
-    ("attention", (), {"scaled_dot_product_attention"}),
+    ("attention", (), {"scaled_dot_product_attention", "attention_on_cpu"}),
     ("dropout", (torch.nn.modules.dropout._DropoutNd,), {"dropout", "dropout2d"}),
     ("upsample", (torch.nn.Upsample, torch.nn.UpsamplingBilinear2d), {"interpolate", "upsample"}),
     ("add", (), {"add", "iadd", "add_", "sub"}),
