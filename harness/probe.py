@@ -453,6 +453,7 @@ _KINDS = [
     ("linear", (torch.nn.Linear,), {"linear"}),
     ("matmul", (), {"matmul"}),
     ("attention", (), {"scaled_dot_product_attention", "attention_on_cpu"}),
+    ("multihead_attention", (torch.nn.MultiheadAttention,), set()),
     ("dropout", (torch.nn.modules.dropout._DropoutNd,), {"dropout", "dropout2d"}),
     ("upsample", (torch.nn.Upsample, torch.nn.UpsamplingBilinear2d), {"interpolate", "upsample"}),
     ("add", (), {"add", "iadd", "add_", "sub"}),

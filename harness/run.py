@@ -241,7 +241,7 @@ def _measure_built(row: dict, cell: SimpleNamespace) -> dict:
         "solve_time_s": plan.solve_time_s, **{f"plan_{key}": value for key, value in plan.info.items()},
         # the rows' fields as they were when these lived in ``info``: data for the tables, not control flow
         **({"plan_runner": plan.runner} if plan.runner else {}),
-        **({} if plan.predicted else {"plan_prediction": "none"}),
+        **({} if plan.predicted else {"plan_prediction": plan.info.get("prediction", "none")}),
     }
 
 

@@ -30,6 +30,11 @@ class Options:
 
 def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = None) -> Plan:
     cores = [v for v in range(len(graph)) if graph.kinds[v] == "attention"]
+    modules = [v for v in range(len(graph)) if graph.kinds[v] == "multihead_attention"]
+    if modules:
+        raise Inapplicable(f"megatron_selective: the net computes attention inside nn.MultiheadAttention "
+                           f"({graph.scopes[modules[0]]}), one layer of the trace, so its core cannot be "
+                           "recomputed apart from its projections")
     if not cores:
         raise Inapplicable("megatron_selective: the net has no attention core (F.scaled_dot_product_attention) "
                            "to recompute")

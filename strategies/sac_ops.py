@@ -11,7 +11,9 @@ counterpart in the IR, for the prediction: the blocks' stages checkpointed, as f
 multiplication, ``mm`` or ``addmm``) saved by the policy (``Plan.selective``). An attention node of the IR
 (``F.scaled_dot_product_attention``) is a fused kernel only where the device has one (CUDA's flash and
 memory-efficient kernels); on the CPU with dropout and on meta PyTorch runs its math decomposition, whose
-batched matmuls the policy does not save, so the plan recomputes it, as the runs it predicts do.
+batched matmuls the policy does not save, so the plan recomputes it, as the runs it predicts do. A block
+that computes attention inside ``nn.MultiheadAttention`` (torchvision's ViT), one node of the trace, has
+matmuls the policy saves out of the IR's sight: such a plan holds no prediction (``predicted=False``).
 """
 
 from __future__ import annotations
@@ -52,8 +54,16 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
                            "policy to save")
     kept = canonical_cache(graph, tuple(stages)) | selective
     policy = "ops_every_second_mm" if options.every_second_mm else "ops"
-    plan = Plan.from_stages(graph, stages, strategy="sac_ops", kept=kept, budget_bytes=budget_bytes,
-                            info={"blocks": len(options.blocks), "policy": policy}, checkpointed=checkpointed,
-                            runner=RUNNER, selective=selective, policy=policy)
-    check_budget(graph, plan, budget_bytes)
+    info = {"blocks": len(options.blocks), "policy": policy}
+    opaque = [v for i in members(checkpointed) for v in members(stages[i]) if graph.kinds[v] == "multihead_attention"]
+    if opaque:  # the policy saves matmuls inside one node of the IR: no prediction
+        info["prediction"] = (f"none: the policy saves the matmuls inside nn.MultiheadAttention "
+                              f"({graph.scopes[opaque[0]]}), one node of the trace")
+    plan = Plan.from_stages(graph, stages, strategy="sac_ops", kept=kept, budget_bytes=budget_bytes, info=info,
+                            checkpointed=checkpointed, runner=RUNNER, selective=selective, policy=policy,
+                            predicted=not opaque)
+    if plan.predicted:
+        check_budget(graph, plan, budget_bytes)
+    elif budget_bytes is not None:
+        raise Inapplicable(f"sac_ops: no prediction to judge a budget by ({info['prediction']}); leave budget=null")
     return plan

@@ -153,6 +153,14 @@ def test_where_a_peer_cannot_apply_the_row_says_why(tmp_path):
     assert row["status"] == "infeasible" and "no block of the net holds a matrix multiplication" in row["error"]
     row = run_cell("torchvision:resnet18", "sac_ops", batch_size=2, image_size=32, results_dir=tmp_path)
     assert row["status"] == "infeasible" and "no blocks to checkpoint" in row["error"]
+    # torchvision's ViT computes attention inside nn.MultiheadAttention, one node of the trace
+    row = run_cell("vit_b_16", "megatron_selective", batch_size=1, results_dir=tmp_path)
+    assert row["status"] == "infeasible" and "inside nn.MultiheadAttention (encoder.layers." in row["error"]
+    row = run_cell("vit_b_16", "sac_ops", batch_size=1, results_dir=tmp_path)
+    assert row["status"] == "ok" and row["measured_peak_bytes"] and row["predicted_peak_bytes"] is None
+    assert row["plan_prediction"].startswith("none: the policy saves the matmuls inside nn.MultiheadAttention")
+    row = run_cell("vit_b_16", "sac_ops", batch_size=1, budget="4GB", results_dir=tmp_path)
+    assert row["status"] == "infeasible" and "no prediction to judge a budget by" in row["error"]
 
 
 def _llama_parameters(config) -> int:
