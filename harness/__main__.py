@@ -23,7 +23,8 @@ def main(cfg: DictConfig) -> None:
              options=OmegaConf.to_container(cfg.strategy.options, resolve=True), warmup_steps=cfg.device.warmup_steps,
              timed_steps=cfg.device.timed_steps, results_dir=cfg.results_dir, resume=cfg.resume,
              net_options=net_options(cfg.net), compile=cfg.compile,
-             dtype=None if cfg.dtype is None else cfg.dtype.value)
+             dtype=None if cfg.dtype is None else cfg.dtype.value, world_size=cfg.world_size, shard=cfg.shard.value,
+             optimizer=cfg.optimizer.value)
 
 
 def net_name(net: DictConfig) -> str:

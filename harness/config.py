@@ -13,9 +13,12 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from harness.cost_models import COST_MODELS
+from harness.sharding import OPTIMIZERS, SHARDS
 
 DType = enum.Enum("DType", {name: name for name in ("float32", "bfloat16", "float16", "float64")})
 CostModel = enum.Enum("CostModel", {name: name for name in COST_MODELS})
+Shard = enum.Enum("Shard", {name: name for name in SHARDS})
+Optimizer = enum.Enum("Optimizer", {name: name for name in OPTIMIZERS})
 
 
 @dataclass
@@ -36,6 +39,9 @@ class Config:
     dtype: Optional[DType] = None  # None: the net's own (float32; the Llamas bfloat16)
     budget: Any = None  # null, a byte count or a size such as 6GB (harness.budget.parse_budget)
     cost_model: CostModel = CostModel.paper
+    world_size: int = 1  # ranks of sharded data parallelism (shard=fsdp2); one rank is measured
+    shard: Shard = Shard.none
+    optimizer: Optimizer = Optimizer.none
     results_dir: str = MISSING
     resume: bool = False
 

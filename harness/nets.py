@@ -296,8 +296,8 @@ NETS = {
 
 
 def _llama(**shape) -> Callable[[], nn.Module]:
-    """A ``transformers`` Llama of ``shape`` (config fields) in bfloat16, fed token ids alone."""
-    def build():
+    """A ``transformers`` Llama of ``shape`` (config fields) in bfloat16 (``dtype``: another), fed token ids alone."""
+    def build(dtype: torch.dtype = torch.bfloat16):
         try:
             import transformers
         except ImportError as error:
@@ -306,7 +306,7 @@ def _llama(**shape) -> Callable[[], nn.Module]:
         config = transformers.LlamaConfig(vocab_size=128256, num_attention_heads=32, num_key_value_heads=8,
                                           max_position_embeddings=8192, rope_theta=500000.0, dtype="bfloat16",
                                           attn_implementation="sdpa", **shape)
-        return models.CausalLM(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16))
+        return models.CausalLM(transformers.AutoModelForCausalLM.from_config(config, dtype=dtype))
 
     return build
 

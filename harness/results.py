@@ -18,13 +18,20 @@ STATUSES = ("ok", "oom", "infeasible", "timeout", "error")
 
 def cell_name(row: dict) -> str:
     """The file name of a run's row: one file per (net, strategy and its options, batch, size, budget, cost
-    model, device, dtype where not float32, compiled or not)."""
+    model, device, dtype where not float32, compiled or not, sharding where there is some)."""
     budget = "budgetauto" if row["budget_bytes"] is None else f"{row['budget_bytes']}B"
     options = "".join(f"__{key}-{value}" for key, value in sorted(row.get("options", {}).items()))
     net = row["net"] + "".join(f"__{key}-{value}" for key, value in _flat(row.get("net_options") or {}))
     net = net.replace("/", "_").replace(" ", "")  # a net's options name a file, not a folder
     return (f"{net}__{row['strategy']}{options}__b{row['batch_size']}__s{row['image_size']}__{budget}"
-            f"__{row['cost_model']}__{row['device']}{_dtype(row)}{'__compiled' if row.get('compiled') else ''}.json")
+            f"__{row['cost_model']}__{row['device']}{_dtype(row)}{'__compiled' if row.get('compiled') else ''}"
+            f"{_sharding(row)}.json")
+
+
+def _sharding(row: dict) -> str:
+    if row.get("shard", "none") == "none":
+        return ""
+    return f"__{row['shard']}-w{row['world_size']}__{row['optimizer']}"
 
 
 def _dtype(row: dict) -> str:
@@ -54,8 +61,9 @@ def _flat(options: dict, prefix: str = "") -> list[tuple[str, object]]:
 
 def mode_of(options: dict) -> str:
     """What tells a strategy's variants apart in tables: a DP's mode (and Kusumoto et al.'s memory model, where it
-    runs on it), or the plan swap runs on."""
+    runs on it), the plan swap runs on, or the op policy's variant."""
     mode = options.get("mode") or (f"on {options['base']}" if options.get("base") else "")
+    mode = mode or ("every 2nd mm" if options.get("every_second_mm") else "")
     if options.get("memory_model") == "paper":
         return f"{mode}, paper model" if mode else "paper model"
     return mode

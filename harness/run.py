@@ -7,6 +7,7 @@ tests and scripts call it directly.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import datetime
 import json
 import logging
@@ -16,13 +17,14 @@ import platform
 import subprocess
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 import strategies
-from harness import nets, peers
+from harness import nets, peers, sharding
 from harness.budget import parse_budget
 from harness.compiled import plan_step as compiled_plan_step
 from harness.execute import execute
@@ -40,16 +42,19 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
              device: str = "meta", budget=None, cost_model: str = "paper", options: dict | None = None,
              warmup_steps: int = 2, timed_steps: int = 5, results_dir: str | Path | None = None,
              resume: bool = False, isolate: bool | None = None, net_options: dict | None = None,
-             compile: bool = False, dtype: str | None = None) -> dict:
+             compile: bool = False, dtype: str | None = None, world_size: int = 1, shard: str = "none",
+             optimizer: str = "none") -> dict:
     """Measure ``strategy`` on ``net`` (a zoo net or ``SOURCE:NAME`` with ``net_options``, ``harness.models``)
     and return the result row (also written under ``results_dir``).
 
     ``isolate`` (default: on ``cuda``) measures in a fresh process: PyTorch does not free what a backward
     that ran out of CUDA memory held (pytorch/pytorch#82218), so one ``oom`` cell would leave every later
-    cell of a sweep on a nearly full device."""
+    cell of a sweep on a nearly full device. ``world_size``, ``shard`` and ``optimizer`` measure one rank
+    of sharded data parallelism (NOTE [a rank under FSDP2] in ``harness/sharding.py``)."""
     row = cell_row(net, strategy, batch_size=batch_size, image_size=image_size, device=device, budget=budget,
                    cost_model=cost_model, options=options, net_options=net_options, compile=compile, dtype=dtype,
-                   warmup_steps=warmup_steps, timed_steps=timed_steps)
+                   warmup_steps=warmup_steps, timed_steps=timed_steps, world_size=world_size, shard=shard,
+                   optimizer=optimizer)
     if resume and results_dir is not None and (Path(results_dir) / cell_name(row)).exists():
         done = read_row(Path(results_dir) / cell_name(row))
         final = done.get("status") in ("ok", "oom", "infeasible", "timeout")
@@ -62,7 +67,8 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
             return child.submit(run_cell, net, strategy, batch_size=batch_size, image_size=image_size,
                                 device=device, budget=budget, cost_model=cost_model, options=options,
                                 warmup_steps=warmup_steps, timed_steps=timed_steps, results_dir=results_dir,
-                                isolate=False, net_options=net_options, compile=compile, dtype=dtype).result()
+                                isolate=False, net_options=net_options, compile=compile, dtype=dtype,
+                                world_size=world_size, shard=shard, optimizer=optimizer).result()
     start = time.perf_counter()
     try:
         row.update(_measure_cell(row))
@@ -88,7 +94,7 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
 def cell_row(net: str, strategy: str, *, batch_size: int | None = None, image_size: int | None = None,
              device: str = "meta", budget=None, cost_model: str = "paper", options: dict | None = None,
              net_options: dict | None = None, compile: bool = False, dtype: str | None = None, warmup_steps: int = 2,
-             timed_steps: int = 5) -> dict:
+             timed_steps: int = 5, world_size: int = 1, shard: str = "none", optimizer: str = "none") -> dict:
     """A cell's row before it is measured (``run_cell``'s arguments); bad input fails here, naming what is
     valid, before anything is built. ``dtype`` None is the net's own (``NetSpec.dtype``)."""
     net_options = dict(net_options or {})
@@ -98,6 +104,10 @@ def cell_row(net: str, strategy: str, *, batch_size: int | None = None, image_si
     dtype = spec.dtype if dtype is None else dtype
     nets.check_dtype(dtype)
     check_cost_model(cost_model, device)
+    sharding.check(world_size, shard, optimizer)
+    if shard != "none" and (device != "meta" or compile):
+        raise ValueError(f"shard={shard} is measured on device=meta, eager (NOTE [a rank under FSDP2] in "
+                         f"harness/sharding.py); got device={device}{', compile=true' if compile else ''}")
     row = {
         "schema_version": SCHEMA_VERSION, "net": net, "strategy": strategy,
         "batch_size": spec.batch_size if batch_size is None else batch_size,
@@ -106,6 +116,7 @@ def cell_row(net: str, strategy: str, *, batch_size: int | None = None, image_si
         "options": dict(options or {}), "net_options": net_options, "warmup_steps": warmup_steps,
         "timed_steps": timed_steps, "compiled": bool(compile), "dtype": dtype,
         "paper_node_count": spec.paper_nodes, **_environment(),
+        **({"world_size": world_size, "shard": shard, "optimizer": optimizer} if shard != "none" else {}),
     }
     nets.check_sizes(net, row["batch_size"], row["image_size"], **net_options)
     return row
@@ -153,11 +164,16 @@ def build_cell(row: dict) -> SimpleNamespace:
     (``static_bytes``) and ``step``, the training step that runs the plan (None for a general schedule)."""
     built = _traced_for(row)
     model, example_input, loss_fn, traced = built.model, built.example_input, built.loss_fn, built.traced
-    static_bytes = fixed_bytes(model, example_input)
+    static_bytes, graph = fixed_bytes(model, example_input), traced.graph
+    sharded = row.get("shard", "none") != "none"
+    if sharded:  # NOTE [a rank under FSDP2] in harness/sharding.py
+        static_bytes = sharding.fsdp2_static(row["net"], row["world_size"], row["optimizer"], row["dtype"],
+                                             row["net_options"])["static_bytes"]
+        graph = dataclasses.replace(graph, param_grads_released=True)
     # A strategy that follows the net's own layout (a PyTorch peer) gets the zoo's blocks or sequence; they
     # stay out of the row's options, which name the result file (options given in the row win in _solve).
     structure = nets.structure(row["net"], model, **row["net_options"])
-    plan = _solve(row, traced.graph, static_bytes, peers.zoo_options(row["strategy"], structure))
+    plan = _solve(row, graph, static_bytes, peers.zoo_options(row["strategy"], structure))
     step = None
     if plan.schedule is None:  # a Checkmate schedule: see _measure_cell
         if plan.runner is not None:
@@ -167,8 +183,15 @@ def build_cell(row: dict) -> SimpleNamespace:
             step = compiled_plan_step(traced, plan, example_input, loss_fn)
         else:
             step = lambda: execute(traced, plan, example_input, loss_fn=loss_fn)  # noqa: E731
+        if sharded:
+            step = partial(_released, model, step)
     return SimpleNamespace(model=model, example_input=example_input, loss_fn=loss_fn, traced=traced, plan=plan,
-                           static_bytes=static_bytes, step=step)
+                           static_bytes=static_bytes, step=step, graph=graph)
+
+
+def _released(model, step):
+    with sharding.gradients_released(model):
+        return step()
 
 
 def _measure_cell(row: dict) -> dict:
@@ -212,8 +235,7 @@ def _eager_peak(row: dict, cell: SimpleNamespace, predicted: int) -> int:
 
 
 def _measure_built(row: dict, cell: SimpleNamespace) -> dict:
-    traced, plan, static_bytes = cell.traced, cell.plan, cell.static_bytes
-    graph = traced.graph
+    traced, plan, static_bytes, graph = cell.traced, cell.plan, cell.static_bytes, cell.graph
     predicted = strategies.simulate(graph, plan, liveness=True)
     predicted_no_liveness = strategies.simulate(graph, plan, liveness=False)
     if plan.schedule is not None:
@@ -226,6 +248,13 @@ def _measure_built(row: dict, cell: SimpleNamespace) -> dict:
         measured = _measured(measure(cell.step, cell.model, (cell.example_input,), row["device"],
                                      row["warmup_steps"], row["timed_steps"], compiled=compiled))
         measured["compile_time_s"] = getattr(cell.step, "compile_time_s", None)
+        if row.get("shard", "none") != "none" and measured["measured_peak_bytes"] is not None:
+            # One rank: FSDP2's static part, and the step's peak less the whole model it ran with
+            whole = fixed_bytes(cell.model, cell.example_input)
+            measured["rank_activations_bytes"] = measured["measured_peak_bytes"] - whole
+            measured["rank_static_bytes"] = static_bytes
+            for key in ("measured_peak_bytes", "tracker_peak_bytes"):
+                measured[key] += static_bytes - whole
         if row["device"] == "cuda" and measured["tracker_peak_bytes"] is not None:
             # What the device adds beyond the one accounting: cuDNN's and cuBLAS's workspaces, allocator rounding.
             measured["device_reserve_bytes"] = measured["measured_peak_bytes"] - measured["tracker_peak_bytes"]
@@ -321,6 +350,11 @@ def summary(row: dict, tokens: bool = False) -> str:
         return f"{head}\n  {row.get('error', '')}"
     if row.get("measured_peak_bytes") is None:
         measured_part = f"  measured: {row['method']}"
+    elif row.get("rank_static_bytes") is not None:
+        measured_part = (
+            f"  one rank of {row['world_size']} ({row['shard']}, optimizer {row['optimizer']}): peak "
+            f"{_gb(row['measured_peak_bytes'])} ({row['method']}): static {_gb(row['rank_static_bytes'])} (measured "
+            f"with fully_shard), the plan's step {_gb(row['rank_activations_bytes'])}")
     else:
         measured_part = (
             f"  measured peak {_gb(row['measured_peak_bytes'])} ({row['method']}): params "

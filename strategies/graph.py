@@ -145,6 +145,10 @@ class Graph:
     estimator's ``z + (q - z).detach()``, a stop-gradient), or one it only follows (NOTE [state the forward
     writes] in ``harness/tracer.py``); measured when the graph was traced with its loss, empty on hand-written
     graphs, where every predecessor takes a gradient of its value's size, as Kusumoto et al. 2019 has it.
+    ``param_grads_released``: each parameter gradient goes as soon as the backward that makes it is done, as
+    under sharded data parallelism, which reduce-scatters it to its rank's shard and frees it (the shards
+    are counted apart: ``harness/sharding.py``); False, the default: they stay to the step's end, for the
+    optimizer.
     ``shared_state[v]`` names the state ``v``'s layers use that other nodes use too, and that the forward
     pass uses in the program's order whatever the stages (the random generators, a buffer: a BatchNorm
     called on two views updates its running statistics in order): a node runs after every earlier one
@@ -183,6 +187,7 @@ class Graph:
     preds_without_grad: tuple[tuple[int, ...], ...] | None = None
     shared_state: tuple[tuple[str, ...], ...] | None = None
     extras_after_reads: tuple[bool, ...] | None = None
+    param_grads_released: bool = False
     reached: tuple[bool, ...] = field(init=False, repr=False, compare=False)  # not unreached, per node
     preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
@@ -198,7 +203,7 @@ class Graph:
                  early_grads=None, loss_forward_bytes=0, outputs=None, loss_grad_bytes=None, loss_reads=(),
                  backward_frees=None, forward_transient_bytes=None, param_sharers=None, unpack_held_bytes=None,
                  attribute_bytes=None, unreached=(), loss_unpack_bytes=0, preds_without_grad=None,
-                 shared_state=None, attribute_saved=None, extras_after_reads=None):
+                 shared_state=None, attribute_saved=None, extras_after_reads=None, param_grads_released=False):
         n = len(mem_bytes)
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
         put("mem_bytes", tuple(int(m) for m in mem_bytes))
@@ -266,6 +271,7 @@ class Graph:
                                                        [b > 0 for b in self.attribute_bytes])))
         put("unreached", tuple(sorted({int(v) for v in unreached})))
         put("extras_after_reads", None if extras_after_reads is None else tuple(bool(b) for b in extras_after_reads))
+        put("param_grads_released", bool(param_grads_released))
         unreached_set = set(self.unreached)
         put("reached", tuple(v not in unreached_set for v in range(n)))
         without = preds_without_grad if preds_without_grad is not None else [()] * n

@@ -490,7 +490,7 @@ def _backward(graph: Graph, facts: _Facts, frame_holds: dict[int, list[int]]) ->
         if unpacking > 0:
             steps.append(Step(v, Phase.BACKWARD, (), ((Buffer.UNPACKING, v),), call=False))
         allocs, frees = gradients.backward(v, _after_members(graph, v) if in_place_first else None)
-        allocs += gradients.params(v)
+        allocs += gradients.params(v, frees)
         if work and not in_place_first:
             allocs.append(((Buffer.WORK, v), work))
         for u in reads + frame_holds.get(v, []):
@@ -527,12 +527,23 @@ class _Gradients:
             for u in sharers:
                 self.param_owners[u].append(v)
         self.params_made: set[int] = set()
+        self.readers_left = {u: 0 for owners in self.param_owners for u in owners}  # backwards yet to make each
+        for owners in self.param_owners:
+            for u in owners:
+                self.readers_left[u] += 1
 
-    def params(self, v: int) -> list:
+    def params(self, v: int, frees: list) -> list:
         """The parameter gradients the backward of ``v`` makes: those of the parameters no backward has
-        reached yet (``Graph.param_sharers``); they stay to the step's end."""
+        reached yet (``Graph.param_sharers``); they stay to the step's end, or go as that backward ends
+        (``Graph.param_grads_released``: into ``frees``; a shared parameter's once the backward of its last
+        reader is done, since autograd sums the contributions before it accumulates the gradient)."""
         owners = [u for u in self.param_owners[v] if u not in self.params_made]
         self.params_made.update(owners)
+        if self.graph.param_grads_released:
+            for u in self.param_owners[v]:
+                self.readers_left[u] -= 1
+                if not self.readers_left[u]:
+                    frees.append((Buffer.PARAM_GRAD, u))
         return [((Buffer.PARAM_GRAD, u), self.graph.param_bytes[u]) for u in owners]
 
     def hold(self, u: int, key: tuple, size: int | None = None):
@@ -693,7 +704,7 @@ def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, 
                 assert in_place_done, f"schedule: the backward of node {v} without its value"
                 present &= ~sum(1 << i for i in gone)
                 allocs, frees = gradients.backward(v, _after_members(graph, v) if in_place_first else None)
-                allocs += gradients.params(v)
+                allocs += gradients.params(v, frees)
                 if work and v not in graph.backward_reads[v]:  # made after what it saved is read
                     allocs.append(((Buffer.WORK, v), work))
                 allocs += _to_measured_peak(graph, v, held_by_members + sum(size for _, size in allocs), frees,
@@ -848,7 +859,8 @@ def _turn(graph: Graph, gradients: "_Gradients", fetched=(), loss_held: bool = T
 def _end(graph: Graph, gradients: "_Gradients") -> Step:
     """Parameter gradients outlive the step (the optimizer reads them), as do the loss's value and what
     modules keep (``Graph.attribute_bytes``): freed at the end for the tally."""
-    return Step(-1, Phase.BACKWARD, (), tuple([*((Buffer.PARAM_GRAD, u) for u in sorted(gradients.params_made)),
+    kept = sorted(u for u in gradients.params_made if not graph.param_grads_released or gradients.readers_left[u])
+    return Step(-1, Phase.BACKWARD, (), tuple([*((Buffer.PARAM_GRAD, u) for u in kept),
                                           *((Buffer.ATTRIBUTE, v) for v in range(len(graph))
                                             if graph.attribute_bytes[v]),
                                           *([(Buffer.LOSS_HELD, -1)] if graph.loss_held_bytes else [])]))
