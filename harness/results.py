@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -21,11 +22,14 @@ def cell_name(row: dict) -> str:
     model, device, dtype where not float32, compiled or not, sharding where there is some)."""
     budget = "budgetauto" if row["budget_bytes"] is None else f"{row['budget_bytes']}B"
     options = "".join(f"__{key}-{value}" for key, value in sorted(row.get("options", {}).items()))
-    net = row["net"] + "".join(f"__{key}-{value}" for key, value in _flat(row.get("net_options") or {}))
-    net = net.replace("/", "_").replace(" ", "")  # a net's options name a file, not a folder
-    return (f"{net}__{row['strategy']}{options}__b{row['batch_size']}__s{row['image_size']}__{budget}"
+    net_options = "".join(f"__{key}-{value}" for key, value in _flat(row.get("net_options") or {}))
+    rest = (f"__{row['strategy']}{options}__b{row['batch_size']}__s{row['image_size']}__{budget}"
             f"__{row['cost_model']}__{row['device']}{_dtype(row)}{'__compiled' if row.get('compiled') else ''}"
             f"{_sharding(row)}.json")
+    if len(row["net"] + net_options + rest) > 250:  # a file name holds 255 bytes: the options by their digest
+        net_options = "__options-" + hashlib.sha1(net_options.encode()).hexdigest()[:16]
+    net = (row["net"] + net_options).replace("/", "_").replace(" ", "")  # a net's options name a file, not a folder
+    return net + rest
 
 
 def _sharding(row: dict) -> str:

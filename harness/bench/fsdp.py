@@ -50,6 +50,7 @@ def table(net: str, memory: int, world_size: int, optimizer: str, sequence: int 
                         "predicted GB": gb(first, "predicted_peak_bytes"),
                         "static GB": gb(first, "rank_static_bytes"),
                         "plan's step GB": gb(first, "rank_activations_bytes"),
+                        "least rank budget GB": gb(first, "min_feasible_bytes"),
                         "largest micro-batch": largest, "rank peak there GB": gb(at, "measured_peak_bytes")})
     return pd.DataFrame(records)
 
@@ -72,7 +73,10 @@ def main(argv=None) -> None:
               f"(`shard=fsdp2`, optimizer {args.optimizer}), {args.net}, ranks of {args.memory}: at batch 1 the rank's "
               "peak, its static part (FSDP2's sharded parameters, gradients and optimizer states and its gathered "
               "units, measured with `fully_shard` on a fake process group) and the plan's step (the rest), beside "
-              "the prediction; then the largest micro-batch whose rank fits.")
+              "the prediction (an infeasible row: the least rank budget its strategy names); then the largest "
+              "micro-batch whose rank fits. On meta, attention runs as PyTorch's math decomposition, which saves "
+              "its probabilities in float32 (a GPU's flash attention saves none of them): the plans' steps are "
+              "above what a GPU holds.")
     args.out_stem.with_suffix(".md").write_text(f"{header}\n\n{frame.to_markdown(index=False, floatfmt='.2f')}\n")
     print(frame.to_markdown(index=False, floatfmt=".2f"))
 
