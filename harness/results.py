@@ -45,12 +45,12 @@ def _dtype(row: dict) -> str:
 
 def stored_path(rows_dir: str | os.PathLike, net: str, strategy: str, *, batch_size: int, image_size: int,
                 device: str, budget_bytes: int | None = None, options: dict | None = None,
-                compiled: bool = False, cost_model: str = "paper") -> Path:
+                compiled: bool = False, cost_model: str = "paper", dtype: str = "float32") -> Path:
     """Where ``run_cell`` wrote (or would write) the row of a zoo net's cell under ``rows_dir`` (default
-    net options): how a driver's ``--from-rows`` finds it without running anything."""
+    net options; ``dtype``, the net's own): how a driver's ``--from-rows`` finds it without running anything."""
     key = {"net": net, "strategy": strategy, "options": options or {}, "batch_size": batch_size,
            "image_size": image_size, "budget_bytes": budget_bytes, "cost_model": cost_model, "device": device,
-           "compiled": compiled}
+           "compiled": compiled, "dtype": dtype}
     return Path(rows_dir) / cell_name(key)
 
 

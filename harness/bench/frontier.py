@@ -8,7 +8,15 @@ measured (peak, step time):
 - ``approx_dp`` time-centric at ``--dp-points`` budgets from its minimum to vanilla's peak, eager and compiled;
 - ``chen_sqrt``, eager and compiled;
 - ``swap`` at ``--swap-points`` budgets from its minimum up towards vanilla's peak, eager (it cannot be
-  compiled: ``harness.run.check_compilable``).
+  compiled: ``harness.run.check_compilable``);
+- the transformer peers ``sac_ops`` (and with ``every_second_mm``) and ``megatron_selective``, where they apply;
+- with ``--all-strategies``, the rest once each: ``liveness_only``, ``chen_greedy`` and both DPs memory-centric
+  at their minimal budgets, ``optimal`` at the middle ``approx_dp`` budget (``--time-limit`` for it and
+  ``exact_dp``; a search that runs out is a ``timeout`` point).
+
+``--nets llama_1b,llama_8b,gpt2 --modes eager --cost-model flops --all-strategies`` is the transformers'
+frontier (``results/frontier_llm_meta``): the DPs then minimise FLOPs, and the table adds the cost model's
+step (``cost model TFLOP``: the graph's FLOPs plus the plan's predicted recomputation).
 
 The time axis: on ``cuda`` the measured step time (median, CUDA events); on ``meta`` the FLOPs the step ran
 (``measured_step_flops``: recomputations included, swap's copies not). Writes ``OUT_STEM.csv`` and ``.md``
@@ -32,13 +40,16 @@ import pandas as pd  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from harness.bench.common import add_rows_options, command_of, made_by, save_figure  # noqa: E402
+from harness import nets  # noqa: E402
 from harness.budget import parse_budget  # noqa: E402
-from harness.results import DEVICE_TIME_NOTE, device_time, read_row, stored_path  # noqa: E402
+from harness.results import DEVICE_TIME_NOTE, device_time, label, read_row, stored_path  # noqa: E402
 from harness.run import run_cell  # noqa: E402
 
-NETS = {"resnet152": (128, 224), "pspnet": (8, 712), "gpt2": (8, 1024)}
+NETS = {"resnet152": (128, 224), "pspnet": (8, 712), "gpt2": (8, 1024), "llama_1b": (4, 2048), "llama_8b": (1, 4096)}
 RATIOS = (0.0, 0.2, 0.5, 0.8, 1.0)
-PEERS = ("torch_compile_budget", "torch_checkpoint_blocks", "torch_checkpoint_sequential")
+PEERS = ("torch_compile_budget", "torch_checkpoint_blocks", "torch_checkpoint_sequential", "sac_ops",
+         "megatron_selective")
+TRANSFORMER_PEERS = (("sac_ops", {}), ("sac_ops", {"every_second_mm": True}), ("megatron_selective", {}))
 MODES = ("eager", "compiled")
 
 
@@ -52,12 +63,14 @@ def time_axis(device: str) -> tuple[str, float, str]:
 class Cells:
     """Runs (or, ``from_rows``, reads) the cells of one net and keeps their rows."""
 
-    def __init__(self, net, batch, side, device, rows_dir, from_rows, timed_steps, progress):
+    def __init__(self, net, batch, side, device, rows_dir, from_rows, timed_steps, progress, cost_model="paper"):
         self.net, self.batch, self.side, self.device = net, batch, side, device
         self.rows_dir, self.from_rows, self.timed_steps, self.progress = rows_dir, from_rows, timed_steps, progress
+        self.cost_model = cost_model
         self.rows: list[dict] = []
 
-    def run(self, strategy, *, budget=None, options=None, compile=False, point=None, cost_model="paper") -> dict:
+    def run(self, strategy, *, budget=None, options=None, compile=False, point=None, cost_model=None) -> dict:
+        cost_model = cost_model or self.cost_model
         kwargs = dict(batch_size=self.batch, image_size=self.side, device=self.device, budget=budget,
                       options=options or {}, warmup_steps=2, timed_steps=self.timed_steps, compile=compile,
                       cost_model=cost_model)
@@ -66,7 +79,7 @@ class Cells:
         if self.from_rows:
             path = stored_path(self.rows_dir, self.net, strategy, batch_size=self.batch, image_size=self.side,
                                device=self.device, budget_bytes=budget, options=options, compiled=compile,
-                               cost_model=cost_model)
+                               cost_model=cost_model, dtype=nets.spec(self.net).dtype)
             row = read_row(path) if path.exists() else {"status": "missing", "net": self.net,
                                                          "strategy": strategy, "compiled": compile,
                                                          "error": "no row in --rows: not run"}
@@ -78,7 +91,7 @@ class Cells:
 
 
 def net_points(cells: Cells, dp_points: int, swap_points: int, strategies=None, ratios=RATIOS,
-               dp_budgets=None, modes=MODES) -> None:
+               dp_budgets=None, modes=MODES, all_strategies=False, time_limit=60.0) -> None:
     """Every point of one net, this project's own first (so that a short turn on a GPU measures those before
     the peers); ``strategies`` (default: all) picks which run, ``dp_budgets`` (bytes) replaces approx_dp's
     ``dp_points`` spread from its minimum to vanilla's peak, ``modes`` ("eager", "compiled") which runs of
@@ -90,6 +103,7 @@ def net_points(cells: Cells, dp_points: int, swap_points: int, strategies=None, 
         return tuple(c for c in choices if ("compiled" if c else "eager") in modes)
 
     vanilla = cells.run("vanilla")
+    middle = None
     if vanilla.get("status") == "ok":
         top = vanilla["measured_peak_bytes"]
         for strategy, count, runs in (("approx_dp", dp_points, compiles()), ("swap", swap_points, compiles((False,)))):
@@ -105,6 +119,8 @@ def net_points(cells: Cells, dp_points: int, swap_points: int, strategies=None, 
                 top = max(top, least)
                 stop = top if strategy == "approx_dp" else least + (top - least) * (count - 1) / count
                 budgets = np.linspace(least, stop, count).astype(int)
+            if strategy == "approx_dp" and len(budgets):
+                middle = int(budgets[len(budgets) // 2])
             for budget in budgets:
                 for compile in runs:
                     cells.run(strategy, budget=int(budget), compile=compile,
@@ -118,6 +134,19 @@ def net_points(cells: Cells, dp_points: int, swap_points: int, strategies=None, 
     for strategy in ("torch_checkpoint_blocks", "torch_checkpoint_sequential", "chen_sqrt"):
         for compile in compiles() if wanted(strategy) else ():
             cells.run(strategy, compile=compile)
+    for strategy, options in TRANSFORMER_PEERS:
+        for compile in compiles() if wanted(strategy) else ():
+            cells.run(strategy, options=options, compile=compile, point=label(strategy, options))
+    if not all_strategies:
+        return
+    rest = [("liveness_only", {}, None), ("chen_greedy", {}, None), ("approx_dp", {"mode": "mc"}, None),
+            ("exact_dp", {"mode": "mc", "time_limit_s": time_limit}, None)]
+    if middle is not None:
+        rest.append(("optimal", {"time_limit_s": time_limit}, middle))
+    for strategy, options, budget in rest:
+        if wanted(strategy):
+            at = f" @ {budget / 1e9:.2f} GB" if budget else ""
+            cells.run(strategy, options=options, budget=budget, point=label(strategy, options) + at)
 
 
 def points(rows: list[dict], device: str) -> pd.DataFrame:
@@ -133,6 +162,9 @@ def points(rows: list[dict], device: str) -> pd.DataFrame:
                     "IQR %": (100 * row["step_time_iqr_ms"] / row["step_time_ms"]
                               if ok and row.get("step_time_iqr_ms") is not None else np.nan),
                     "compile s": row.get("compile_time_s"), "host GB": (row.get("plan_host_bytes") or np.nan) / 1e9,
+                    **({"cost model TFLOP": (row["total_cost"] + row["predicted_overhead_cost"]) / 1e12
+                        if ok and row.get("cost_model") == "flops" and row.get("predicted_overhead_cost") is not None
+                        else np.nan} if device == "meta" else {}),
                     "note": note(row),
                     **(device_time(row) if device == "cuda" else {})})
     table = pd.DataFrame(out)
@@ -168,12 +200,16 @@ def note(row: dict) -> str:
 
 
 def dominance(table: pd.DataFrame) -> list[str]:
-    """For each PyTorch peer point (and vanilla), whether a compiled ``approx_dp`` point dominates it."""
+    """For each PyTorch peer point (and vanilla), whether a compiled ``approx_dp`` point (eager, where none
+    was compiled) dominates it, and by how much."""
     lines = []
     for net, group in table.groupby("net", sort=False):
         ours = group[(group.strategy == "approx_dp") & group.compiled].dropna(subset=["peak GB", "time"])
+        mode = "compiled"
         if ours.empty:
-            lines.append(f"- {net}: no compiled approx_dp point measured")
+            ours, mode = group[group.strategy == "approx_dp"].dropna(subset=["peak GB", "time"]), "eager"
+        if ours.empty:
+            lines.append(f"- {net}: no approx_dp point measured")
             continue
         peers = group[group.strategy.isin(PEERS + ("vanilla",))].dropna(subset=["peak GB", "time"])
         for _, peer in peers.iterrows():
@@ -181,11 +217,13 @@ def dominance(table: pd.DataFrame) -> list[str]:
             better = ours[(ours["peak GB"] <= peer["peak GB"]) & (ours.time <= peer.time)]
             if len(better):
                 best = better.sort_values("time").iloc[0]
-                lines.append(f"- {net}, {name} ({peer['peak GB']:.2f} GB, {peer.time:.4g}): dominated by compiled "
-                             f"{best.point} ({best['peak GB']:.2f} GB, {best.time:.4g})")
+                lines.append(f"- {net}, {name} ({peer['peak GB']:.2f} GB, {peer.time:.4g}): dominated by {mode} "
+                             f"{best.point} ({best['peak GB']:.2f} GB, {best.time:.4g}: "
+                             f"{1 - best['peak GB'] / peer['peak GB']:.0%} less memory, "
+                             f"{1 - best.time / peer.time:.0%} less time)")
             else:
                 lines.append(f"- {net}, {name} ({peer['peak GB']:.2f} GB, {peer.time:.4g}): not dominated by any "
-                             "compiled approx_dp point")
+                             f"{mode} approx_dp point")
     return lines
 
 
@@ -221,6 +259,11 @@ def main(argv=None) -> None:
     parser.add_argument("--timed-steps", type=int, default=10, help="cuda: steps timed per point, after 2 warm-ups")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated, of eager, compiled: which runs of each strategy (eager vanilla always)")
+    parser.add_argument("--cost-model", default="paper", choices=["paper", "flops"],
+                        help="the DPs' cost model (flops: the transformers' frontier)")
+    parser.add_argument("--all-strategies", action="store_true",
+                        help="also liveness_only, chen_greedy, the memory-centric DPs and optimal, once each")
+    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds for exact_dp and optimal")
     add_rows_options(parser)
     args = parser.parse_args(argv)
     names = args.nets.split(",")
@@ -234,14 +277,16 @@ def main(argv=None) -> None:
         raise SystemExit(f"--modes {args.modes!r}: valid modes are {', '.join(MODES)}")
     ratios = [float(r) for r in args.ratios.split(",")]
     dp_budgets = None if args.dp_budgets is None else [parse_budget(b) for b in args.dp_budgets.split(",")]
-    cells_per_net = 2 + len(ratios) + 6 + 2 * len(dp_budgets or range(args.dp_points)) + args.swap_points + 2
+    cells_per_net = (2 + len(ratios) + 6 + 2 * len(dp_budgets or range(args.dp_points)) + args.swap_points + 2
+                     + 2 * len(TRANSFORMER_PEERS) + 5 * args.all_strategies)
     progress = tqdm(total=cells_per_net * len(names), desc="frontier")
     rows = []
     for net in names:
         batch, side = NETS.get(net, (None, None))
         cells = Cells(net, args.batch or batch, args.side or side, args.device, args.rows, args.from_rows,
-                      args.timed_steps, progress)
-        net_points(cells, args.dp_points, args.swap_points, chosen, ratios, dp_budgets, modes)
+                      args.timed_steps, progress, args.cost_model)
+        net_points(cells, args.dp_points, args.swap_points, chosen, ratios, dp_budgets, modes, args.all_strategies,
+                   args.time_limit)
         rows += cells.rows
     progress.close()
     table = points(rows, args.device)
