@@ -11,8 +11,10 @@ nodes' memory and time.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
-from numba import get_num_threads, njit, prange
+from numba import get_num_threads, njit, objmode, prange
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 # Columns of ``values``, for a lower set L: m(L); 2 m(L) + m(A(L)) + m(B(L)) with A(L) = δ⁺(L) \ L and
@@ -25,17 +27,29 @@ LEVELS = 64  # rows of bits by a bound on the value still to come, in ``pareto_c
 
 
 @njit(cache=True)
-def enumerate_lower_sets(pred_words, limit):
+def _now():
+    with objmode(now="float64"):
+        now = time.perf_counter()
+    return now
+
+
+@njit(cache=True)
+def enumerate_lower_sets(pred_words, limit, deadline):
     """Every lower set, each once: the children of ``L`` are ``L ∪ {v}`` for ``v > max(L)`` whose
     predecessors lie in ``L`` (so ``L`` is its child's set less its largest node, which is maximal).
-    Returns ``(words, complete)``; ``complete`` is False when ``limit`` sets were reached."""
+    Returns ``(words, complete)``; ``complete`` is False when ``limit`` sets were reached. Past ``deadline``
+    (``time.perf_counter``'s clock; inf: none) it raises ``TimeoutError``."""
     n, width = pred_words.shape
     out = np.zeros((1024, width), dtype=np.uint64)
     count = 1  # ∅
     stack_set = np.zeros(n + 1, dtype=np.int64)
     stack_next = np.zeros(n + 1, dtype=np.int64)
     depth = 0
+    steps = 0
     while depth >= 0:
+        steps += 1
+        if deadline < np.inf and steps % 65536 == 0 and _now() > deadline:
+            raise TimeoutError("the enumeration of lower sets ran past its deadline")
         s, v = stack_set[depth], stack_next[depth]
         if v >= n:
             depth -= 1
@@ -374,14 +388,15 @@ def _levels(ahead, count):
 
 
 @njit(cache=True)
-def pareto_chains(sets, budget, objective, most, to_go, cutoff):
+def pareto_chains(sets, budget, objective, most, to_go, cutoff, deadline):
     """Forward DP keeping, per set, the Pareto frontier of (value, cache) over the chains that reach it
     within ``budget`` and can still finish (``cache <= most``). ``objective``: 0 value = the stage peak
     so far (the least budget), 1 value = overhead (time-centric), 2 value = -overhead (memory-centric).
     A state whose value plus ``to_go`` (a lower bound on the value still to come) exceeds ``cutoff`` is
     dropped. Returns ``(frontier, parents, sizes, over)``: ``frontier[s, k] = (value, cache)``,
     ``parents[s, k] = (set, slot)`` of the state it came from, and ``over`` the least value plus bound
-    among the dropped states (the next cutoff worth trying), or a lower bound on it."""
+    among the dropped states (the next cutoff worth trying), or a lower bound on it. Past ``deadline``
+    (``time.perf_counter``'s clock; inf: none) it raises ``TimeoutError``, looking every 256 sets."""
     values = sets[1]
     count = values.shape[0]
     (out_sets, out_caches, out_times), keep_all = _buffers(count)
@@ -408,6 +423,8 @@ def pareto_chains(sets, budget, objective, most, to_go, cutoff):
     largest = 1
     over = np.inf
     for i in range(count - 1):
+        if deadline < np.inf and i % 256 == 0 and _now() > deadline:
+            raise TimeoutError("the DP's pass ran past its deadline")
         k = sizes[i]
         if k == 0:
             continue

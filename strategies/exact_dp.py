@@ -14,6 +14,7 @@ before its supersets and no transition is missed.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -32,8 +33,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Options(lower_set_dp.Options):
-    # Checked between the DP's passes over the family (a pass on millions of lower sets can outlast it);
-    # None: no limit.
+    # Checked as the lower sets are listed, as the sequential passes over them go, and between the parallel
+    # ones, which may run past it by a pass (2 s on the 8B Llama's 906,136 lower sets); None: no limit.
     time_limit_s: float | None = 600.0
 
 
@@ -42,20 +43,32 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
     if options.time_limit_s is not None and options.time_limit_s <= 0:
         raise ValueError(f"exact_dp: time_limit_s must be positive (or None: no limit), got {options.time_limit_s}")
     start = time.perf_counter()
-    family, principal = all_lower_set_words(graph), principal_lower_sets(graph)
+    deadline = math.inf if options.time_limit_s is None else start + options.time_limit_s
+    principal = principal_lower_sets(graph)
+
+    def out_of_time(searched: str) -> SolverTimeout:
+        return SolverTimeout(f"exact_dp: no plan within {options.time_limit_s:g} s over {searched} lower sets of "
+                             f"{len(graph)} nodes; approx_dp solves the same problem over the {len(principal)} "
+                             "principal lower sets (or raise time_limit_s)")
+
+    try:
+        family = all_lower_set_words(graph, deadline=deadline)
+    except TimeoutError:
+        raise out_of_time("more") from None  # than it could list in that time
     log.info("exact_dp: searching %s lower sets of %d nodes%s", f"{len(family):,}", len(graph),
              f", for at most {options.time_limit_s:g} s" if options.time_limit_s is not None else "")
 
     def check():
-        if options.time_limit_s is not None and time.perf_counter() - start > options.time_limit_s:
-            raise SolverTimeout(f"exact_dp: no plan within {options.time_limit_s:g} s over {len(family):,} lower "
-                                f"sets of {len(graph)} nodes; approx_dp solves the same problem over the "
-                                f"{len(principal)} principal lower sets (or raise time_limit_s)")
+        if time.perf_counter() > deadline:
+            raise out_of_time(f"{len(family):,}")
 
     # The approximate DP's chains are chains of the exact family: its minimal budget bounds the search.
     approx = prepare(dp_view(graph, options.memory_model), words_of(principal, len(graph)))
     upper = minimal_budget(approx) + sum(graph.param_bytes)
-    plan = solve_family(graph, family, budget_bytes, options.mode, "exact_dp", upper_bytes=int(upper),
-                        memory_model=options.memory_model, check=check)
+    try:  # a pass over the family looks at the clock as it goes, too
+        plan = solve_family(graph, family, budget_bytes, options.mode, "exact_dp", upper_bytes=int(upper),
+                            memory_model=options.memory_model, check=check, deadline=deadline)
+    except TimeoutError:
+        raise out_of_time(f"{len(family):,}") from None
     plan.info["lower_sets"] = len(family)
     return plan

@@ -124,7 +124,7 @@ def prepare(graph: Graph, words: np.ndarray) -> Table:
     return Table(words=words, sets=sets)
 
 
-def minimal_budget(table: Table, upper: float | None = None, check=None) -> float:
+def minimal_budget(table: Table, upper: float | None = None, check=None, deadline: float = math.inf) -> float:
     """The least budget any chain of the family meets, exactly; ``upper``: a budget known to be feasible
     (default: one stage, 2 m(V)).
 
@@ -134,7 +134,8 @@ def minimal_budget(table: Table, upper: float | None = None, check=None) -> floa
     is usually close, by steps that double until one fails, and by bisection. Then one forward pass
     keeping the Pareto frontier of (peak so far, cache) per set gives the exact minimum; it slows with
     the slack of its budget, the top of the range, so it drops the states that a backward pass shows
-    cannot finish within it. ``check``, called before each pass, may stop the search (a time limit)."""
+    cannot finish within it. ``check``, called before each pass, may stop the search (a time limit), and
+    the last pass stops past ``deadline`` (``time.perf_counter``'s clock), raising ``TimeoutError``."""
     reach = {}  # budget -> least cache per set, kept for the last pass
 
     def feasible(budget):
@@ -157,13 +158,13 @@ def minimal_budget(table: Table, upper: float | None = None, check=None) -> floa
         middle = float((low + high) // 2)
         low, high = (low, middle) if feasible(middle) else (middle, high)
     most = kernels.backward(table.sets, high, reach[high])[0]
-    frontier, _, sizes, _ = kernels.pareto_chains(table.sets, high, 0, most, np.zeros(len(table)), np.inf)
+    frontier, _, sizes, _ = kernels.pareto_chains(table.sets, high, 0, most, np.zeros(len(table)), np.inf, deadline)
     return float(frontier[-1, :sizes[-1], 0].min())
 
 
-def best_chain(table: Table, budget: float, mode: str) -> list[int] | None:
+def best_chain(table: Table, budget: float, mode: str, deadline: float = math.inf) -> list[int] | None:
     """The chain (family indices, ∅ excluded) of least (tc) or most (mc) overhead within ``budget``, or
-    None.
+    None; past ``deadline`` a pass raises ``TimeoutError``.
 
     A forward pass finds the least cache reaching each set, a backward pass the most cache that can still
     finish from it and bounds on the overhead still to come; the last pass keeps the Pareto frontier of
@@ -185,7 +186,7 @@ def best_chain(table: Table, budget: float, mode: str) -> list[int] | None:
     while True:
         slack = 1e-9 * max(1.0, abs(cutoff))  # overheads summed in another order may differ in the last bits
         frontier, parents, sizes, over = kernels.pareto_chains(table.sets, budget, objective, most, to_go,
-                                                               cutoff + slack)
+                                                               cutoff + slack, deadline)
         if sizes[last]:
             break
         assert over < np.inf, "bug: V is reachable within the budget, yet no state was dropped"
@@ -204,11 +205,12 @@ def best_chain(table: Table, budget: float, mode: str) -> list[int] | None:
 
 
 def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode: str, strategy: str,
-                 upper_bytes: int | None = None, memory_model: str = "traced", check=None) -> Plan:
+                 upper_bytes: int | None = None, memory_model: str = "traced", check=None,
+                 deadline: float = math.inf) -> Plan:
     """A plan from the best chain of the family ``words`` (see the module note and NOTE [judging a DP's
     budget]); ``None`` means the minimal budget. ``upper_bytes``, a budget known to be feasible (equation
     (2)), prunes the search for the minimal one. ``check``, called before each pass over the family, may
-    stop the search (``exact_dp``'s time limit)."""
+    stop the search (``exact_dp``'s time limit), and a pass stops past ``deadline``, raising ``TimeoutError``."""
     if mode not in MODES:
         raise ValueError(f"{strategy}: unknown mode {mode!r}; valid modes: tc (time-centric, least overhead), "
                          "mc (memory-centric, most overhead)")
@@ -220,7 +222,7 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
     def plan_within(budget: float) -> Plan | None:
         if check is not None:
             check()
-        chain = best_chain(table, budget, mode) if budget >= 0 else None
+        chain = best_chain(table, budget, mode, deadline) if budget >= 0 else None
         if chain is None:
             return None
         plan = Plan.from_chain(graph, [bitset(table.words[i]) for i in chain], strategy=strategy,
@@ -230,10 +232,11 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
 
     if memory_model == "paper":  # Kusumoto et al.'s: the budget is equation (2)'s
         if budget_bytes is None:
-            return plan_within(minimal_budget(table, upper, check))
+            return plan_within(minimal_budget(table, upper, check, deadline))
         plan = plan_within(budget_bytes - param_grads)
         if plan is None:
-            raise InfeasibleBudget(budget_bytes, int(minimal_budget(table, upper, check)) + param_grads, strategy)
+            least = int(minimal_budget(table, upper, check, deadline))
+            raise InfeasibleBudget(budget_bytes, least + param_grads, strategy)
         return plan
     replayed: dict[tuple, object] = {}  # (stages, kept) -> its replay: nearby budgets often give one plan
 
@@ -243,7 +246,7 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
             replayed[key] = simulate(graph, plan)
         return replayed[key]
 
-    least, top = minimal_budget(table, upper, check), float(table.values[-1, kernels.KEY])
+    least, top = minimal_budget(table, upper, check, deadline), float(table.values[-1, kernels.KEY])
     if len(table) <= SMALL:  # equation (2) budget -> its plan
         scanned = _distinct_plans(plan_within, least, top)
     else:
@@ -255,7 +258,7 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
     # Kusumoto et al.'s count is another proxy, for the minimal plan; a budget the minimal plan so far meets is
     # searched from that plan, which fits, and needs no other
     if (counted is not graph or graph.loss_bytes) and (budget_bytes is None or peak > budget_bytes):
-        paper = solve_family(graph, words, None, mode, strategy, memory_model="paper", check=check)
+        paper = solve_family(graph, words, None, mode, strategy, memory_model="paper", check=check, deadline=deadline)
         paper_peak = simulate(graph, paper).peak_bytes
         if paper_peak < peak:
             paper.info.update(memory_model="traced", minimal_plan_from="paper")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from strategies import dp_kernels as kernels
@@ -10,10 +12,11 @@ from strategies.graph import Graph, bitset
 LIMIT = 5_000_000
 
 
-def all_lower_set_words(graph: Graph, limit: int = LIMIT) -> np.ndarray:
+def all_lower_set_words(graph: Graph, limit: int = LIMIT, deadline: float = math.inf) -> np.ndarray:
     """Every lower set of ``graph`` as rows of words (``dp_kernels.enumerate_lower_sets``); raises
-    ``ValueError`` past ``limit`` rather than truncate."""
-    words, complete = kernels.enumerate_lower_sets(graph.pred_words, limit)
+    ``ValueError`` past ``limit`` rather than truncate, ``TimeoutError`` past ``deadline``
+    (``time.perf_counter``'s clock)."""
+    words, complete = kernels.enumerate_lower_sets(graph.pred_words, limit, deadline)
     if not complete:
         raise ValueError(f"the graph has more than {limit} lower sets; the exact DP cannot enumerate them "
                          "(use approx_dp, or raise the limit)")

@@ -125,7 +125,15 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
         if prediction.peak_bytes <= budget_bytes and prediction.overhead_cost < best_cost:
             best, best_cost = seed, prediction.overhead_cost
     deadline = start + options.time_limit_s
-    kept_only = _Relaxation(cp_model, graph, budget_bytes, stages=False)
+    try:
+        kept_only = _Relaxation(cp_model, graph, budget_bytes, stages=False, deadline=deadline)
+    except _OutOfTime:  # not even the model without stages in time: the DPs' plan, unproven
+        if best is None:
+            raise SolverTimeout(f"optimal: no plan fits {budget_bytes} bytes within {options.time_limit_s:g} s "
+                                "(its model was not built in time); raise time_limit_s") from None
+        return Plan(strategy="optimal", stages=best.stages, kept=best.kept, budget_bytes=budget_bytes,
+                    info={"optimal_status": "timeout", "lower_bound": 0.0, "gap": 1.0 if best_cost > 0 else 0.0,
+                          "plans_replayed": 0})
     staged, built = None, False  # the model with stages, built when a kept set needs them (None: not in time)
     status, cuts = "optimal", 0
     # First the kept sets, cheapest first (NOTE [kept sets first]), for half the time left.
@@ -276,7 +284,8 @@ class _Relaxation:
         model.Minimize(self.cost)
 
         size, held, extra = graph.mem_bytes, graph.loss_held_bytes, graph.saved_extra_bytes
-        params = [(v, graph.param_bytes[v]) for v in range(n) if graph.reached[v] and graph.param_bytes[v]]
+        params = [(v, graph.param_bytes[v]) for v in range(n)  # released ones count for nothing (``_moments``)
+                  if graph.reached[v] and graph.param_bytes[v] and not graph.param_grads_released]
         extras = [u for u in range(n) if graph.reached[u] and extra[u]]
         # calls[w]: w's backward recomputes its stage (it reads a discarded value, or its layer's extras are).
         users = [name for names in graph.shared_state for name in names]
@@ -295,10 +304,25 @@ class _Relaxation:
                          and not any(u in shared for shared, _ in graph.grad_shares[x])
                          for u in graph.preds[x]} for x in range(n)]
         self.readers, self.read, self.extras, self.own_gradient = readers, read, extras, own_gradient
+        # per value, the layers whose backward gives it a gradient buffer of its own; per node, the later layers
+        # whose backward runs and reaches it (its reached descendants): bitsets, for ``_moments``
+        self.givers = [0] * n
+        for x in range(n):
+            for u, own in own_gradient[x].items():
+                if own:
+                    self.givers[u] |= 1 << x
+        reached = sum(1 << x for x in range(n) if graph.reached[x])
+        self.ran = [0] * n
+        for x in range(n):
+            for v in members_of(graph.ancestor_mask[x] & ~(1 << x)):
+                self.ran[v] |= 1 << x
+        self.ran = [mask & reached for mask in self.ran]
         self.holding: set[int] = set()  # layers whose moments also count what a recomputation will read
         self.to_come: dict[int, list] = {}  # stage -> its ``to_come`` literals (below), in the model with stages
         for v in range(n):
             if graph.reached[v]:
+                if v % 64 == 0 and time.perf_counter() > deadline:
+                    raise _OutOfTime
                 for moment in self._moments(v)[0]:
                     self._at_most(moment, budget_bytes)
         # As the backward begins: every kept value a backward reads, what the loss's backward reads (recomputed
@@ -426,9 +450,11 @@ class _Relaxation:
                   for u in self.read if any(before >> w & 1 for w in readers[u])}
         counted = set(values)
         live = [extra[u] if u == v else extra[u] * kept[u] for u in self.extras if before >> u & 1]
-        ran = [x for x in range(v + 1, n) if graph.ancestor_mask[x] >> v & 1 and graph.reached[x]]
-        made = sum(graph.param_bytes[x] for x in ran)
-        made += sum(size[u] for u in members_of(before) if any(self.own_gradient[x].get(u) for x in ran))
+        ran = self.ran[v]
+        # parameter gradients released as their backward ends (``Graph.param_grads_released``) count for nothing:
+        # the relaxation stays below the replay
+        made = 0 if graph.param_grads_released else sum(graph.param_bytes[x] for x in members_of(ran))
+        made += sum(size[u] for u in members_of(before) if self.givers[u] & ran)
         moments = [sum(values.values()) + sum(live) + made + held]
         during, members_first = backward_holds(graph, v)
         if members_first is not None:
