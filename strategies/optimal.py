@@ -253,15 +253,26 @@ class _Relaxation:
         self.ge = ge = [[True] + [model.new_bool_var("") for _ in range(top[v])] + [False] * (K - top[v])
                         for v in range(n)]
         self.kept = kept = [model.new_bool_var("") for _ in range(n)]
+
+        def on_time():  # the model with stages has n clauses an edge: its build looks at the clock as it goes
+            if time.perf_counter() > deadline:
+                raise _OutOfTime
+
         for v in range(n):
+            if v % 64 == 0:
+                on_time()
             for i in range(2, K):
                 clause([_not(ge[v][i]), ge[v][i - 1]])
-        for u, v in graph.edges:
+        for e, (u, v) in enumerate(graph.edges):
+            if e % 16 == 0:
+                on_time()
             for i in range(1, K):
                 clause([_not(ge[u][i]), ge[v][i]])  # s_u <= s_v
                 clause([_not(ge[v][i]), ge[u][i], kept[u]])  # s_v > s_u only if u is kept
         # No gap between stages: where a node is at stage i or later, some node is at stage i - 1.
         for i in range(1, K):
+            if i % 16 == 0:
+                on_time()
             later = model.new_bool_var("")
             for v in range(n):
                 clause([_not(ge[v][i]), later])

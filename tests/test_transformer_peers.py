@@ -187,6 +187,10 @@ def test_the_llama_nets_are_built_as_their_configs_say(net, billions):
 
 
 def test_the_8b_net_traces_and_solves_on_meta_within_a_minute():
+    """Trace and ``approx_dp`` together within a minute, the solve within 2 s; ``exact_dp`` (906,136 lower
+    sets) and ``optimal`` end within their time limits, give or take one of the DP's parallel passes or
+    CP-SAT's own overrun: the exact DP with a timeout naming ``approx_dp``, the optimum with the DPs' plan,
+    its lower bound and gap."""
     start = time.perf_counter()
     graph = traced_net("llama_8b").traced.graph
     plan = strategies.solve("approx_dp", graph, None)
@@ -194,3 +198,13 @@ def test_the_8b_net_traces_and_solves_on_meta_within_a_minute():
     assert plan.solve_time_s <= 2
     assert len(graph) > 32 * 30  # the 32 decoder layers' ops, each a node
     assert math.isfinite(strategies.simulate(graph, plan).peak_bytes)
+    limit, over = 8.0, 4.0
+    start = time.perf_counter()
+    with pytest.raises(strategies.SolverTimeout, match="exact_dp: no plan within 8 s over .* approx_dp"):
+        strategies.solve("exact_dp", graph, None, time_limit_s=limit)
+    assert time.perf_counter() - start <= limit + over
+    best = strategies.solve("optimal", graph, None, time_limit_s=limit)
+    assert best.solve_time_s <= limit + over
+    cost = strategies.simulate(graph, best).overhead_cost
+    assert best.info["optimal_status"] == "timeout" and 0 <= best.info["lower_bound"] <= cost
+    assert best.info["gap"] == pytest.approx((cost - best.info["lower_bound"]) / cost)
