@@ -234,18 +234,18 @@ def _buffers(count, lanes=1):
 BLOCK = 256
 
 
-def least_cache(sets, budget):
-    """``_least_cache`` on every core numba may use."""
-    return _least_cache(sets, budget, get_num_threads(), BLOCK)
+def least_cache(sets, budget, deadline=np.inf):
+    """``_least_cache`` on every core numba may use; past ``deadline`` it raises ``TimeoutError``."""
+    return _least_cache(sets, budget, get_num_threads(), BLOCK, deadline)
 
 
-def backward(sets, budget, least):
-    """``_backward`` on every core numba may use."""
-    return _backward(sets, budget, least, get_num_threads(), BLOCK)
+def backward(sets, budget, least, deadline=np.inf):
+    """``_backward`` on every core numba may use; past ``deadline`` it raises ``TimeoutError``."""
+    return _backward(sets, budget, least, get_num_threads(), BLOCK, deadline)
 
 
 @njit(cache=True, parallel=True)
-def _least_cache(sets, budget, lanes, block):
+def _least_cache(sets, budget, lanes, block, deadline):
     """Per set, the least cache ``m(U)`` with which some chain reaches it within ``budget`` (inf: none).
 
     Pushed forward (NOTE [lanes]): a block's sets are final once every earlier block has pushed into it
@@ -256,6 +256,8 @@ def _least_cache(sets, budget, lanes, block):
     least = np.full(count, np.inf)
     least[0] = 0.0
     for start in range(0, count, block):
+        if deadline < np.inf and _now() > deadline:  # between blocks: prange bodies cannot look at a clock
+            raise TimeoutError("the DP's pass ran past its deadline")
         stop = min(start + block, count)
         for j in range(start, stop):
             for lane in range(lanes):
@@ -294,7 +296,7 @@ def _pull(sets, i, budget, least, most, low, high, keep, start, stop, out):
 
 
 @njit(cache=True, parallel=True)
-def _backward(sets, budget, least, lanes, block):
+def _backward(sets, budget, least, lanes, block, deadline):
     """Per set, from the sets some chain reaches within ``budget`` (``least`` finite), backwards:
     ``most``, the most cache with which a chain can still go on to V (-inf: none can), and the least and
     the most overhead of the rest of such a chain when every stage starts from the least cache that can
@@ -310,6 +312,8 @@ def _backward(sets, budget, least, lanes, block):
     high = np.full(count, -np.inf)
     low[count - 1] = high[count - 1] = 0.0
     for stop in range(count - 1, 0, -block):  # V is final from the start
+        if deadline < np.inf and _now() > deadline:
+            raise TimeoutError("the DP's pass ran past its deadline")
         start = max(0, stop - block)
         for lane in prange(lanes):
             out = (out_set[lane], out_cache[lane], out_time[lane])

@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Options(lower_set_dp.Options):
-    # Checked as the lower sets are listed, as the sequential passes over them go, and between the parallel
-    # ones, which may run past it by a pass (2 s on the 8B Llama's 906,136 lower sets); None: no limit.
+    # Checked as the lower sets are listed and as the passes over them go (a pass on millions of lower sets
+    # can take minutes); None: no limit.
     time_limit_s: float | None = 600.0
 
 

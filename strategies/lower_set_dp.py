@@ -141,7 +141,7 @@ def minimal_budget(table: Table, upper: float | None = None, check=None, deadlin
     def feasible(budget):
         if check is not None:
             check()
-        reach[budget] = kernels.least_cache(table.sets, budget)
+        reach[budget] = kernels.least_cache(table.sets, budget, deadline)
         return reach[budget][-1] < np.inf
 
     given = upper is not None
@@ -157,7 +157,7 @@ def minimal_budget(table: Table, upper: float | None = None, check=None, deadlin
     while high - low > max(1.0, 0.01 * high):
         middle = float((low + high) // 2)
         low, high = (low, middle) if feasible(middle) else (middle, high)
-    most = kernels.backward(table.sets, high, reach[high])[0]
+    most = kernels.backward(table.sets, high, reach[high], deadline)[0]
     frontier, _, sizes, _ = kernels.pareto_chains(table.sets, high, 0, most, np.zeros(len(table)), np.inf, deadline)
     return float(frontier[-1, :sizes[-1], 0].min())
 
@@ -171,10 +171,10 @@ def best_chain(table: Table, budget: float, mode: str, deadline: float = math.in
     (overhead, cache) per set, dropping states whose overhead plus bound exceeds a cutoff. The cutoff
     starts at the bound and rises, at least to the least value a pass dropped (IDA*), until V is reached:
     the optimum, since no state of an optimal chain exceeds it."""
-    least = kernels.least_cache(table.sets, budget)
+    least = kernels.least_cache(table.sets, budget, deadline)
     if least[-1] == np.inf:
         return None
-    most, low, high = kernels.backward(table.sets, budget, least)
+    most, low, high = kernels.backward(table.sets, budget, least, deadline)
     objective, to_go = (1, low) if mode == "tc" else (2, -high)
     cutoff = to_go[0]
     # The optimum lies between the bounds. The states a pass keeps grow about exponentially with the

@@ -188,9 +188,9 @@ def test_the_llama_nets_are_built_as_their_configs_say(net, billions):
 
 def test_the_8b_net_traces_and_solves_on_meta_within_a_minute():
     """Trace and ``approx_dp`` together within a minute, the solve within 2 s; ``exact_dp`` (906,136 lower
-    sets) and ``optimal`` end within their time limits, give or take one of the DP's parallel passes or
-    CP-SAT's own overrun: the exact DP with a timeout naming ``approx_dp``, the optimum with the DPs' plan,
-    its lower bound and gap."""
+    sets) and ``optimal`` end within their time limits, give or take a block of the DP's passes or CP-SAT's
+    own overrun: the exact DP with a timeout naming ``approx_dp``, the optimum with the DPs' plan, its lower
+    bound and gap."""
     start = time.perf_counter()
     graph = traced_net("llama_8b").traced.graph
     plan = strategies.solve("approx_dp", graph, None)
