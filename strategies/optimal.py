@@ -454,7 +454,7 @@ class _Relaxation:
         its in-place members run theirs first, their working gradients, before the layer's recomputation (what it
         reads is there only if kept, its own value aside); then, as it makes its gradients, its measured peak,
         v's value gone if they read it last."""
-        graph, kept, readers, n = self.graph, self.kept, self.readers, len(self.graph)
+        graph, kept, readers = self.graph, self.kept, self.readers
         size, extra, held = graph.mem_bytes, graph.saved_extra_bytes, graph.loss_held_bytes
         before = graph.ancestor_mask[v]  # v and its ancestors
         values = {u: size[u] if v in readers[u] else size[u] * kept[u]

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from strategies import Graph, InfeasibleBudget, Plan, SolverTimeout, simulate, solve
 from strategies import dp_kernels as kernels
-from strategies.lower_set_dp import minimal_budget, prepare
+from strategies.lower_set_dp import best_chain, minimal_budget, prepare
 from strategies.lower_sets import all_lower_set_words, all_lower_sets, principal_lower_sets
 from test_graph import diamond
 from test_simulate import chain
@@ -95,10 +95,10 @@ def test_the_passes_over_every_transition_do_not_depend_on_lanes_or_blocks(graph
     take the paths that the paper's graphs take."""
     table = prepare(graph, all_lower_set_words(graph))
     budget = 1.2 * minimal_budget(table)
-    least = kernels._least_cache(table.sets, budget, 1, len(table))
-    assert np.array_equal(kernels._least_cache(table.sets, budget, lanes, block), least)
-    whole = kernels._backward(table.sets, budget, least, 1, len(table))
-    for ours, theirs in zip(kernels._backward(table.sets, budget, least, lanes, block), whole):
+    least = kernels._least_cache(table.sets, budget, 1, len(table), np.inf)
+    assert np.array_equal(kernels._least_cache(table.sets, budget, lanes, block, np.inf), least)
+    whole = kernels._backward(table.sets, budget, least, 1, len(table), np.inf)
+    for ours, theirs in zip(kernels._backward(table.sets, budget, least, lanes, block, np.inf), whole):
         assert np.array_equal(ours, theirs)
 
 
@@ -239,3 +239,25 @@ def test_exact_dp_says_what_it_will_search_and_keeps_its_time_limit(caplog):
     with pytest.raises(ValueError, match="time_limit_s must be positive"):
         solve("exact_dp", graph, time_limit_s=0)
     assert solve("exact_dp", graph, time_limit_s=None).stages == plan.stages
+
+
+def test_every_long_pass_stops_past_its_deadline():
+    """``exact_dp``'s time limit reaches inside the passes (a pass over the 8B Llama's lower sets takes
+    minutes): the enumeration, the parallel passes between blocks, and the Pareto pass raise ``TimeoutError``
+    once the deadline is behind them, and run to the end without one."""
+    import time
+
+    past = time.perf_counter() - 1
+    with pytest.raises(TimeoutError):  # 2^16 lower sets: the enumeration looks at the clock every 65,536 steps
+        all_lower_set_words(Graph(mem_bytes=[1] * 16, cost=[1] * 16, edges=[]), deadline=past)
+    graph = Graph(mem_bytes=[1 + v % 3 for v in range(10)], cost=[1] * 10, edges=[])  # 1,024: four blocks
+    table = prepare(graph, all_lower_set_words(graph))
+    budget = 1.2 * minimal_budget(table)
+    least = kernels.least_cache(table.sets, budget)
+    most, low, _ = kernels.backward(table.sets, budget, least)
+    for run in (lambda: kernels.least_cache(table.sets, budget, past),
+                lambda: kernels.backward(table.sets, budget, least, past),
+                lambda: kernels.pareto_chains(table.sets, budget, 1, most, low, np.inf, past)):
+        with pytest.raises(TimeoutError):
+            run()
+    assert best_chain(table, budget, "tc") == best_chain(table, budget, "tc", deadline=time.perf_counter() + 60)

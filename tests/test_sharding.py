@@ -3,9 +3,7 @@
 accumulated, and the replay predicts that step to the byte."""
 
 import pytest
-import torch
 
-import strategies
 from harness import sharding
 from harness.run import run_cell
 from strategies import Graph, Plan, simulate
