@@ -1,4 +1,5 @@
-"""Budgets as users write them: null, a byte count, a size such as ``6GB`` or ``512MiB``, or ``device``
+"""Budgets as users write them: null, a byte count (``6000000000``, ``6e9``), a size such as ``6GB`` or ``512MiB``
+(decimal units are powers of ten, binary ones of two), or ``device``
 (the memory the CUDA device has free). A budget counts the whole device: parameters, buffers and the
 input batch included."""
 
@@ -20,7 +21,7 @@ def parse_budget(budget, device: str = "meta") -> int | None:
         if budget is not None and budget <= 0:
             raise ValueError(f"budget must be positive, got {budget}")
         return budget
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(budget))
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(budget))
     unit = match.group(2).upper() if match else ""
     if not match or (unit and unit not in _UNITS):
         raise ValueError(f"malformed budget {budget!r}: give null, a byte count, or a number with a unit "

@@ -26,7 +26,7 @@ def cell_name(row: dict) -> str:
     rest = (f"__{row['strategy']}{options}__b{row['batch_size']}__s{row['image_size']}__{budget}"
             f"__{row['cost_model']}__{row['device']}{_dtype(row)}{'__compiled' if row.get('compiled') else ''}"
             f"{_sharding(row)}.json")
-    if len(row["net"] + net_options + rest) > 250:  # a file name holds 255 bytes: the options by their digest
+    if len(row["net"] + net_options + rest) > 230:  # a name holds 255 bytes, its temporary 14 more: a digest
         net_options = "__options-" + hashlib.sha1(net_options.encode()).hexdigest()[:16]
     net = (row["net"] + net_options).replace("/", "_").replace(" ", "")  # a net's options name a file, not a folder
     return net + rest
@@ -84,9 +84,17 @@ def write_row(row: dict, directory: str | os.PathLike, name: str | None = None) 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / (name or cell_name(row))
-    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as out:
-        json.dump(row, out, indent=1, sort_keys=True)
-        out.write("\n")
+    # The row goes to a hidden temporary beside it (one file system: the rename is atomic), which no table
+    # reads (they read *.json); a failed write removes it, a killed one leaves it hidden.
+    hidden = dict(dir=directory, prefix=f".{path.name}.", suffix=".tmp", delete=False)
+    with tempfile.NamedTemporaryFile("w", **hidden) as out:
+        try:
+            json.dump(row, out, indent=1, sort_keys=True)
+            out.write("\n")
+        except BaseException:
+            out.close()
+            os.unlink(out.name)
+            raise
     os.chmod(out.name, 0o666 & ~umask())  # mkstemp makes 0600; teammates on a shared file system read rows
     os.replace(out.name, path)
     return path

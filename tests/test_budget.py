@@ -1,0 +1,53 @@
+"""Budgets as users write them (``harness/budget.py``): every unit and form to the bytes it states, the same
+bytes on the command line as in Python, and a clear refusal of anything else."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from harness.budget import parse_budget
+from harness.run import cell_row
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+@pytest.mark.parametrize("written, nbytes", [
+    (None, None), (6_000_000_000, 6_000_000_000), ("6000000000", 6_000_000_000), ("6e9", 6_000_000_000),
+    (6e9, 6_000_000_000), ("1.5e3", 1_500), ("512B", 512), ("6KB", 6_000), ("6MB", 6_000_000),
+    ("6GB", 6_000_000_000), ("6TB", 6_000_000_000_000), ("6KiB", 6 * 1024), ("6MiB", 6 * 1024 ** 2),
+    ("6GiB", 6 * 1024 ** 3), ("6TiB", 6 * 1024 ** 4), ("6gb", 6_000_000_000), (" 6 GiB ", 6 * 1024 ** 3),
+    ("0.5GB", 500_000_000), ("12.8GB", 12_800_000_000),
+])
+def test_each_form_is_the_bytes_it_states(written, nbytes):
+    assert parse_budget(written) == nbytes
+
+
+@pytest.mark.parametrize("written", ["6XB", "six GB", "6 G B", "-1GB", "GB", "6e", True])
+def test_anything_else_is_refused_naming_the_units(written):
+    with pytest.raises(ValueError, match="budget"):
+        parse_budget(written)
+    if isinstance(written, str) and written not in ("-1GB",):
+        with pytest.raises(ValueError, match=r"B, KB, MB, GB, TB, KiB, MiB, GiB, TiB\), for example 6GB"):
+            parse_budget(written)
+
+
+@pytest.mark.parametrize("written", [0, -5, "0GB", "0.0000000001B"])
+def test_a_budget_of_nothing_is_refused(written):
+    with pytest.raises(ValueError, match="budget must be positive"):
+        parse_budget(written)
+
+
+def test_device_means_the_free_memory_of_a_cuda_device_only():
+    with pytest.raises(ValueError, match="budget=device means the memory a CUDA device has free; device=meta"):
+        parse_budget("device", "meta")
+
+
+@pytest.mark.parametrize("override, nbytes", [("budget=6GB", 6_000_000_000), ("budget=6GiB", 6 * 1024 ** 3),
+                                              ("budget=6e9", 6_000_000_000), ("budget=6000000000", 6_000_000_000),
+                                              ("budget=null", None)])
+def test_the_command_line_and_the_row_mean_the_same_bytes(override, nbytes):
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        config = compose("config", overrides=["+net=resnet50", "+strategy=vanilla", override])
+    row = cell_row("resnet50", "vanilla", budget=config.budget)
+    assert row["budget_bytes"] == nbytes == parse_budget(override.split("=")[1] if nbytes else None)
