@@ -43,7 +43,8 @@ def table(net: str, memory: int, world_size: int, optimizer: str, sequence: int 
         first = rank_row(net, strategy, options, 1, memory, world_size, optimizer, sequence, rows)
         largest = largest_batch(lambda b: fits(rank_row(net, strategy, options, b, memory, world_size, optimizer,
                                                         sequence, rows), memory), guess=1)
-        at = rank_row(net, strategy, options, largest, memory, world_size, optimizer, sequence, rows) if largest else None
+        at = (rank_row(net, strategy, options, largest, memory, world_size, optimizer, sequence, rows)
+              if largest else None)
         gb = lambda row, key: None if row is None or row.get(key) is None else row[key] / 1e9  # noqa: E731
         records.append({"strategy": label(strategy, options), "status at batch 1": first["status"],
                         "rank peak GB": gb(first, "measured_peak_bytes"),

@@ -1,7 +1,8 @@
 """Does the suite catch the bugs that matter most? ``python -m harness.bench.mutants OUT_STEM [--only NAME]``.
 
 Each mutant in ``MUTANTS`` is one named bug planted in a scratch copy of the repository (its tracked files): a
-line of the executor or the simulator replaced, as a careless change would. The tests named beside it run
+line of the executor, the simulator, a peer, the DP's kernels, the budgets or the result store replaced, as a
+careless change would. The tests named beside it run
 there; the mutant is caught when they fail (pytest's exit status 1: a test failed, not a copy that no longer
 imports). Writes ``OUT_STEM.md``. Every mutant must be caught; a change that moves a planted line breaks
 ``tests/test_mutants.py`` until the list follows the code.
@@ -66,6 +67,49 @@ MUTANTS = [
            "fresh[a.name] = _Fresh.apply(leaf) if self.effects.writes_inputs.get(node.name, True) else leaf\n",
            "fresh[a.name] = leaf\n",
            ("tests/test_any_model.py::test_side_effects_are_replayed_by_mechanism",)),
+    Mutant("Megatron's attention checkpoint does not replay the RNG state, so the recomputed dropout draws anew",
+           "harness/peers.py",
+           "            return checkpoint(func, *args, use_reentrant=False, **kwargs)\n",
+           "            return checkpoint(func, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)\n",
+           ("tests/test_transformer_peers.py::test_each_peer_is_exact_under_dropout_in_float64",)),
+    Mutant("the op policy saves every matmul even where every second one is to be recomputed",
+           "harness/peers.py",
+           'skip = policy == "ops_every_second_mm" and counts[ctx.is_recompute] % 2 == 0',
+           "skip = False",
+           ("tests/test_transformer_peers.py::test_the_op_policy_recomputes_no_matmul_and_every_second_mm_half_"
+            "of_them",)),
+    Mutant("a value a selective policy saves is rebuilt by its block's recomputation in the replay",
+           "strategies/replay.py",
+           "rebuilt |= stage & plan.kept & ~plan.selective &",
+           "rebuilt |= stage & plan.kept &",
+           ("tests/test_transformer_peers.py::test_on_meta_each_peer_is_predicted_as_checkpoint_per_block_is",)),
+    Mutant("a saved value past the early stop goes at its block's recomputation, not with checkpoint's frame",
+           "strategies/replay.py",
+           "                                  | set(members(unpopped)))",
+           "                                  )",
+           ("tests/test_transformer_peers.py::test_on_meta_each_peer_is_predicted_as_checkpoint_per_block_is",)),
+    Mutant("released parameter gradients stay to the step's end in the replay",
+           "strategies/replay.py",
+           "        if self.graph.param_grads_released:\n            for u in self.param_owners[v]:",
+           "        if False:\n            for u in self.param_owners[v]:",
+           ("tests/test_sharding.py::test_released_gradients_go_as_their_backward_ends_and_a_shared_ones_after_its_"
+            "last_reader",)),
+    Mutant("the DP's forward pass never looks at its deadline",
+           "strategies/dp_kernels.py",
+           "        if deadline < np.inf and _now() > deadline:  # between blocks: prange bodies cannot look at "
+           "a clock\n            raise TimeoutError",
+           "        if False:\n            raise TimeoutError",
+           ("tests/test_dp.py::test_every_long_pass_stops_past_its_deadline",)),
+    Mutant("a gigabyte in a budget is 2**30 bytes",
+           "harness/budget.py",
+           '"GB": 10**9,',
+           '"GB": 2**30,',
+           ("tests/test_budget.py",)),
+    Mutant("a row is written in place, so a write that fails halfway destroys the row that was there",
+           "harness/results.py",
+           '    with tempfile.NamedTemporaryFile("w", **hidden) as out:',
+           '    with open(path, "w") as out:',
+           ("tests/test_results.py::test_an_exception_inside_the_dump_leaves_the_old_row_and_no_temporary",)),
 ]
 
 
