@@ -64,9 +64,10 @@ class Plan:
     ``strategies/replay.py``). ``selective`` (a subset of ``kept`` within the checkpointed stages) holds the
     values a selective checkpointing ``policy`` (``POLICIES``) saves: held from the forward, handed back to
     the stage's recomputation instead of being computed again, and with them what their layers saved (NOTE
-    [selective checkpointing] in ``strategies/replay.py``). ``runner`` names what runs the step where it is not this project's executor
-    (``RUNNERS``: a PyTorch peer runs the model itself), and ``predicted`` is False where the plan's memory is
-    decided out of the IR's sight (``torch.compile``'s own partitioner), so the simulator has nothing to predict.
+    [selective checkpointing] in ``strategies/replay.py``). ``runner`` names what runs the step where it is not
+    this project's executor (``RUNNERS``: a PyTorch peer runs the model itself), and ``predicted`` is False
+    where the plan's memory is decided out of the IR's sight (``torch.compile``'s own partitioner), so the
+    simulator has nothing to predict.
     """
 
     strategy: str

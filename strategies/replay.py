@@ -197,8 +197,8 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
     # The recomputed stages that read each kept value (not those that rebuild it).
     recompute_stages += [{stage_of[w] for w in graph.succs[u] if (discarded | rebuilt) >> w & 1 and copy(u, w) == u}
                          & needed if kept >> u & 1 else set() for u in range(n)] + [set() for _ in range(n)]
-    for u in members(plan.selective):  # the policy's cache hands it to the recomputation (NOTE [selective checkpointing])
-        recompute_stages[u] |= {stage_of[u]} & needed
+    for u in members(plan.selective):  # the policy's cache hands it to the recomputation
+        recompute_stages[u] |= {stage_of[u]} & needed  # (NOTE [selective checkpointing])
     for u in members(plan.swapped):
         assert not recompute_stages[u], f"simulator: swapped node {u} is read by a recomputation; it must stay"
     # A recomputed layer that may write state keeps a copy of the state as its forward found it, to its

@@ -128,8 +128,9 @@ def test_on_meta_each_peer_is_predicted_as_checkpoint_per_block_is(net, size, tm
     ``sac_ops``' is off it by what checkpoint per block's is on the same cell (nothing on GPT-2; on a Llama
     block, two per-token float32 values, 16 KiB at sequence 2048, 0.0002%, not yet explained), and the FLOPs
     the step ran equal the prediction (``megatron_selective``'s recomputation stops inside the attention's
-    math decomposition, before its last batched matmul, so it runs at most the FLOPs predicted). At sequence 2048 a Llama block's last matmul
-    output, held by the policy's cache to the block's backward (past the early stop), decides the peak."""
+    math decomposition, before its last batched matmul, so it runs at most the FLOPs predicted). At sequence
+    2048 a Llama block's last matmul output, held by the policy's cache to the block's backward (past the
+    early stop), decides the peak."""
     batch, side = size
     blocks, *rows = [run_cell(net, name, batch_size=batch, image_size=side, options=options, results_dir=tmp_path)
                      for name, options in [("torch_checkpoint_blocks", {}), *PEERS]]

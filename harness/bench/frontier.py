@@ -162,7 +162,8 @@ def points(rows: list[dict], device: str) -> pd.DataFrame:
                     "IQR %": (100 * row["step_time_iqr_ms"] / row["step_time_ms"]
                               if ok and row.get("step_time_iqr_ms") is not None else np.nan),
                     "compile s": row.get("compile_time_s"), "host GB": (row.get("plan_host_bytes") or np.nan) / 1e9,
-                    **({"cost model TFLOP (forward + recomputed)": (row["total_cost"] + row["predicted_overhead_cost"]) / 1e12
+                    **({"cost model TFLOP (forward + recomputed)":
+                        (row["total_cost"] + row["predicted_overhead_cost"]) / 1e12
                         if ok and row.get("cost_model") == "flops" and row.get("predicted_overhead_cost") is not None
                         else np.nan} if device == "meta" else {}),
                     "note": note(row),
