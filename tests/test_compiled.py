@@ -133,6 +133,47 @@ def test_tagging_follows_the_plan():
     assert policies.count(CheckpointPolicy.MUST_RECOMPUTE) >= bin(plan.recomputed).count("1")
 
 
+@pytest.mark.parametrize("net, size", [("resnet50", (2, 64)), ("googlenet", (2, 64)), ("gpt2", (2, 64))])
+def test_each_ir_nodes_ops_are_tagged_as_the_plan_says(net, size):
+    """Node by node, on three zoo nets at small sizes on meta, under a plan that keeps some nodes and
+    recomputes others: the op an IR node's mark follows (its value) is MUST_SAVE where the plan keeps the node
+    and MUST_RECOMPUTE where it recomputes it, every other op traced since the previous mark is MUST_RECOMPUTE
+    with a recomputed node and untagged with a kept one (left to the partitioner), and the ops after the last
+    mark (the loss's) untagged. Counting tags, a plan whose ops were tagged for the wrong nodes passed."""
+    model, x, loss_fn = nets.build(net, *size)
+    traced = trace(model, x, loss_fn=loss_fn)
+    plan = quarter_plan(traced.graph)
+    assert plan.recomputed and plan.kept & ~plan.recomputed
+    joint = torch.fx.experimental.proxy_tensor.make_fx(lambda x: marked_module(traced)(x))(x)
+    expected, node_of, since = {}, {}, []  # op -> the policy the plan asks of it, and its IR node
+    recomputing = CheckpointPolicy.MUST_RECOMPUTE
+    last = [op for op in joint.graph.nodes if op.target is MARK][-1]
+    for op in joint.graph.nodes:
+        if op is last.next:  # the loss's ops, views of the output included, belong to no node
+            break
+        if op.op != "call_function":
+            continue
+        if op.target is MARK:
+            v = op.args[1]
+            recomputed = bool(plan.recomputed >> v & 1)
+            for before in since:
+                expected[before], node_of[before] = recomputing if recomputed else None, v
+            expected[op.args[0]] = recomputing if recomputed else CheckpointPolicy.MUST_SAVE
+            node_of[op.args[0]] = node_of[op] = v  # a view of the value, or of its mark, goes with the node
+            since = []
+        elif getattr(op.target, "is_view", False) and op.args and op.args[0] in node_of:
+            v = node_of[op.args[0]]
+            expected[op], node_of[op] = recomputing if plan.recomputed >> v & 1 else None, v
+        else:
+            since.append(op)
+    tag_plan(joint.graph, plan.recomputed)
+    wrong = [(op.name, expected[op], op.meta.get("recompute")) for op in expected
+             if op.meta.get("recompute") != expected[op]]
+    assert not wrong, wrong[:5]
+    assert len({node_of[op] for op in expected}) == len(traced.graph)
+    assert all(op.meta.get("recompute") is None for op in since), "the loss's ops belong to no node"
+
+
 def test_a_value_read_by_its_makers_name_after_a_write_reads_the_mark(monkeypatch):
     """``y[:, 0] = 0`` returns nothing the code keeps, which reads ``y``, the Linear's output, after the write:
     those reads take the IR node's mark (``Traced.same_tensor``). Reading the unmarked value, they left the

@@ -105,6 +105,12 @@ MUTANTS = [
            '"GB": 10**9,',
            '"GB": 2**30,',
            ("tests/test_budget.py",)),
+    Mutant("under compile, the ops traced before an IR node's mark are left untagged, so a recomputed node's "
+           "other ops may be saved",
+           "harness/compiled.py",
+           "            for op in pending:\n                node_of[op] = v\n",
+           "",
+           ("tests/test_compiled.py::test_each_ir_nodes_ops_are_tagged_as_the_plan_says",)),
     Mutant("a row is written in place, so a write that fails halfway destroys the row that was there",
            "harness/results.py",
            '    with tempfile.NamedTemporaryFile("w", **hidden) as out:',
