@@ -104,8 +104,7 @@ def _fsdp2_static(net: str, world_size: int, optimizer: str, dtype: str, net_opt
             if any("[" in unit for unit in units):
                 raise ValueError(f"{net}: shard=fsdp2 wraps modules, and its blocks are slices of a sequence "
                                  f"({units[0]})")
-            compute = getattr(torch, dtype)
-            policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+            policy = MixedPrecisionPolicy(param_dtype=nets.check_dtype(dtype), reduce_dtype=torch.float32)
             for unit in units:
                 fully_shard(model.get_submodule(unit), mesh=mesh, mp_policy=policy)
             fully_shard(model, mesh=mesh, mp_policy=policy)

@@ -16,7 +16,8 @@ measured (peak, step time):
 
 ``--nets llama_1b,llama_8b,gpt2 --modes eager --cost-model flops --all-strategies`` is the transformers'
 frontier (``results/frontier_llm_meta``): the DPs then minimise FLOPs, and the table adds the cost model's
-step (``cost model TFLOP``: the graph's FLOPs plus the plan's predicted recomputation).
+step (``cost model TFLOP (forward + recomputed)``: the graph's forward FLOPs plus the plan's predicted
+recomputation).
 
 The time axis: on ``cuda`` the measured step time (median, CUDA events); on ``meta`` the FLOPs the step ran
 (``measured_step_flops``: recomputations included, swap's copies not). Writes ``OUT_STEM.csv`` and ``.md``
@@ -92,7 +93,7 @@ class Cells:
 
 def net_points(cells: Cells, dp_points: int, swap_points: int, strategies=None, ratios=RATIOS,
                dp_budgets=None, modes=MODES, all_strategies=False, time_limit=60.0) -> None:
-    """Every point of one net, this project's own first (so that a short turn on a GPU measures those before
+    """Every point of one net, this project's own first (so that a run cut short has measured those before
     the peers); ``strategies`` (default: all) picks which run, ``dp_budgets`` (bytes) replaces approx_dp's
     ``dp_points`` spread from its minimum to vanilla's peak, ``modes`` ("eager", "compiled") which runs of
     each (eager vanilla runs in any case: the others are read against it)."""
@@ -200,6 +201,18 @@ def note(row: dict) -> str:
     return ""
 
 
+def _point(row) -> str:
+    """A point as the dominance lines name it: ``NAME (compiled)`` for a compiled run of a strategy that has both."""
+    return f"{row.point}{' (compiled)' if row.compiled and row.strategy != 'torch_compile_budget' else ''}"
+
+
+def _dominated(net: str, peer, by: str, best) -> str:
+    """``peer`` dominated by ``best`` (named ``by``): both points, and how much less memory and time."""
+    return (f"- {net}, {_point(peer)} ({peer['peak GB']:.2f} GB, {peer.time:.4g}): dominated by {by} "
+            f"({best['peak GB']:.2f} GB, {best.time:.4g}: {1 - best['peak GB'] / peer['peak GB']:.0%} less memory, "
+            f"{1 - best.time / peer.time:.0%} less time)")
+
+
 def dominance(table: pd.DataFrame) -> list[str]:
     """For each PyTorch peer point (and vanilla), whether a compiled ``approx_dp`` point (eager, where none
     was compiled) dominates it, and by how much."""
@@ -214,17 +227,13 @@ def dominance(table: pd.DataFrame) -> list[str]:
             continue
         peers = group[group.strategy.isin(PEERS + ("vanilla",))].dropna(subset=["peak GB", "time"])
         for _, peer in peers.iterrows():
-            name = f"{peer.point}{' (compiled)' if peer.compiled and peer.strategy != 'torch_compile_budget' else ''}"
             better = ours[(ours["peak GB"] <= peer["peak GB"]) & (ours.time <= peer.time)]
             if len(better):
                 best = better.sort_values("time").iloc[0]
-                lines.append(f"- {net}, {name} ({peer['peak GB']:.2f} GB, {peer.time:.4g}): dominated by {mode} "
-                             f"{best.point} ({best['peak GB']:.2f} GB, {best.time:.4g}: "
-                             f"{1 - best['peak GB'] / peer['peak GB']:.0%} less memory, "
-                             f"{1 - best.time / peer.time:.0%} less time)")
+                lines.append(_dominated(net, peer, f"{mode} {best.point}", best))
             else:
-                lines.append(f"- {net}, {name} ({peer['peak GB']:.2f} GB, {peer.time:.4g}): not dominated by any "
-                             f"{mode} approx_dp point")
+                lines.append(f"- {net}, {_point(peer)} ({peer['peak GB']:.2f} GB, {peer.time:.4g}): not dominated by "
+                             f"any {mode} approx_dp point")
     return lines
 
 
@@ -235,16 +244,12 @@ def front_lines(table: pd.DataFrame) -> list[str]:
     for net, group in table.groupby("net", sort=False):
         front = group[group.pareto]
         for _, peer in group[group.strategy.isin(PEERS)].dropna(subset=["peak GB", "time"]).iterrows():
-            name = f"{peer.point}{' (compiled)' if peer.compiled and peer.strategy != 'torch_compile_budget' else ''}"
             if peer.pareto:
-                lines.append(f"- {net}, {name}: on the front")
+                lines.append(f"- {net}, {_point(peer)}: on the front")
                 continue
             better = front[(front["peak GB"] <= peer["peak GB"]) & (front.time <= peer.time)].sort_values("time")
             best = better.iloc[0]
-            lines.append(f"- {net}, {name} ({peer['peak GB']:.2f} GB, {peer.time:.4g}): dominated by {best.point}"
-                         f"{' (compiled)' if best.compiled else ''} ({best['peak GB']:.2f} GB, {best.time:.4g}: "
-                         f"{1 - best['peak GB'] / peer['peak GB']:.0%} less memory, {1 - best.time / peer.time:.0%} "
-                         "less time)")
+            lines.append(_dominated(net, peer, f"{best.point}{' (compiled)' if best.compiled else ''}", best))
     return lines
 
 

@@ -37,6 +37,10 @@ def rank_row(net: str, strategy: str, options: dict, batch: int, memory: int, wo
                     warmup_steps=0, timed_steps=1)
 
 
+def gb(row: dict | None, key: str) -> float | None:
+    return None if row is None or row.get(key) is None else row[key] / 1e9
+
+
 def table(net: str, memory: int, world_size: int, optimizer: str, sequence: int | None, rows: Path) -> pd.DataFrame:
     records = []
     for strategy, options in tqdm(STRATEGIES, desc=f"{net}, {world_size} ranks"):
@@ -45,7 +49,6 @@ def table(net: str, memory: int, world_size: int, optimizer: str, sequence: int 
                                                         sequence, rows), memory), guess=1)
         at = (rank_row(net, strategy, options, largest, memory, world_size, optimizer, sequence, rows)
               if largest else None)
-        gb = lambda row, key: None if row is None or row.get(key) is None else row[key] / 1e9  # noqa: E731
         records.append({"strategy": label(strategy, options), "status at batch 1": first["status"],
                         "rank peak GB": gb(first, "measured_peak_bytes"),
                         "predicted GB": gb(first, "predicted_peak_bytes"),
