@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurements that fit a short turn on a GPU machine (15 minutes, its start included): Figure 3's
+# The GPU measurements, each stage under a deadline: Figure 3's
 # claim, the largest batches in 80 GB, the memory/time frontier, the cost models' plans and the compile peer's
 # ratios on cuda, a profile of eager recomputation, and the gpu tests. Run from the repository root there,
 # `bash results/gpu_checks.sh [STAGE...]`, with the

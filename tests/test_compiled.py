@@ -225,7 +225,7 @@ def compiled_vanilla(net: str, batch: int, side: int) -> dict:
     return run_cell(net, "vanilla", batch_size=batch, image_size=side, compile=True)
 
 
-# ResNet-152 is ResNet-50's blocks, more; DenseNet-161's compile alone took 113 s of CI's 15 minutes (it
+# ResNet-152 is ResNet-50's blocks, more; DenseNet-161's compile alone took 113 s of the suite's time (it
 # held 3% or less when it ran here).
 @pytest.mark.parametrize("net", [net for net in nets.PAPER_NETS if net not in ("resnet152", "densenet161")])
 def test_compiled_plans_hold_what_the_eager_plan_holds_within_the_budget(net):
@@ -499,7 +499,7 @@ def test_a_compiled_step_on_meta_holds_the_output_and_its_gradient_as_long_as_th
 
 
 def test_the_frontier_runs_the_points_asked_for_and_reads_them_back(tmp_path):
-    """``--strategies``, ``--ratios`` and ``--dp-budgets`` pick the points (what a short turn on a GPU runs);
+    """``--strategies``, ``--ratios`` and ``--dp-budgets`` pick the points (what a run on a GPU with little time runs);
     each peer point gets a dominance line, and the table drawn again from the rows alone is the same."""
     from harness.bench import frontier
 
