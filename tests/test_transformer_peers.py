@@ -209,3 +209,19 @@ def test_the_8b_net_traces_and_solves_on_meta_within_a_minute():
     cost = strategies.simulate(graph, best).overhead_cost
     assert best.info["optimal_status"] == "timeout" and 0 <= best.info["lower_bound"] <= cost
     assert best.info["gap"] == pytest.approx((cost - best.info["lower_bound"]) / cost)
+
+
+def test_the_op_policys_plan_on_a_hand_worked_block():
+    """a -> (b, c) -> d, with b, c and d in one block: b a linear layer, c an attention, d a linear layer. The
+    block is one checkpointed stage after a's own; the policy saves both linears (every second matmul: the
+    first only); the kept set is the block's input a, which its recomputation reads, and what the policy saves."""
+    graph = strategies.Graph(mem_bytes=[1, 2, 3, 4], cost=[1, 1, 1, 1], edges=[(0, 1), (0, 2), (1, 3), (2, 3)],
+                             kinds=["op", "linear", "attention", "linear"],
+                             scopes=["", "block.q", "block.attention", "block.o"])
+    plan = strategies.solve("sac_ops", graph, blocks=("block",))
+    assert plan.stages == (0b0001, 0b1110) and plan.checkpointed == 0b10 and plan.policy == "ops"
+    assert plan.selective == 0b1010 and plan.kept == 0b1011 and plan.recomputed == 0b0100
+    half = strategies.solve("sac_ops", graph, blocks=("block",), every_second_mm=True)
+    assert half.selective == 0b0010 and half.kept == 0b0011 and half.policy == "ops_every_second_mm"
+    megatron = strategies.solve("megatron_selective", graph)
+    assert megatron.stages == (1, 2, 4, 8) and megatron.checkpointed == 0b0100 and megatron.kept == 0b1111
