@@ -40,9 +40,9 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
     high = threshold * math.sqrt(2)
     step = (high - low) / options.grid_points
     for j in range(1, options.grid_points + 1):
-        if step > 0:
-            t = int(low + j * step)
-            tried.setdefault(t, _greedy(graph, points, t, budget_bytes)[2])
+        t = int(low + j * step)
+        if step > 0 and t not in tried:
+            tried[t] = _greedy(graph, points, t, budget_bytes)[2]
     peaks = {t: simulate(graph, plan).peak_bytes for t, plan in tried.items()}
     best = min(tried, key=lambda t: (peaks[t], t))
     if budget_bytes is not None and peaks[best] > budget_bytes:

@@ -1,8 +1,10 @@
 """One accounting: the simulator's replay is the step the executor runs, byte for byte on meta."""
 
 import functools
+import importlib
 import itertools
 import random
+import weakref
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from torch import nn
 import strategies
 from harness import nets, peers
 from strategies import schedule
-from strategies.replay import peak_of, schedule_timeline
+from strategies.replay import Buffer, peak_of, schedule_timeline, timeline
 from strategies.simulate import step_flops
 from harness.execute import execute
 from harness.measure import MemoryTracker, measure
@@ -22,6 +24,9 @@ from harness.run import fixed_bytes
 from harness.probe import non_leaf_attributes
 from harness.trace import trace
 from test_any_model import WritesAfterReads
+
+execute_module = importlib.import_module("harness.execute")  # the package exports a function of that name
+measure_module = importlib.import_module("harness.measure")
 
 CORE = [("vanilla", {}), ("liveness_only", {}), ("chen_sqrt", {}), ("chen_greedy", {}),
         ("approx_dp", {"mode": "tc"}), ("approx_dp", {"mode": "mc"})]
@@ -700,6 +705,57 @@ def test_predicted_peak_is_the_measured_one_to_the_byte(net):
             assert 0 < predicted - measured <= bias_bytes, (measured, predicted)
         else:
             assert predicted == measured, (name, options, measured, predicted)
+
+
+def recomputed_lifetimes_replayed(graph, plan):
+    """For each value the replay recomputes: how many recomputed values it has made when that one goes."""
+    made, made_by_replay, freed = 0, set(), {}
+    for step in timeline(graph, plan):
+        for (kind, u, *_), _size in step.allocs:
+            if step.phase == "recompute" and kind == Buffer.VALUE and graph.mem_bytes[u]:
+                made, made_by_replay = made + 1, made_by_replay | {u}
+        for kind, u, *_ in step.frees:
+            if kind == Buffer.VALUE and u in made_by_replay:
+                freed[u] = made
+    return freed
+
+
+def recomputed_lifetimes_run(monkeypatch, model, x, loss_fn, traced, plan):
+    """The same count in the executor's step: each recomputed value's storage is watched until it dies."""
+    # A value is made as its layer's first call begins, as the replay's step makes it before its inputs go.
+    first = {names[0] for g, names in enumerate(traced.members) if traced.graph.mem_bytes[g]}
+    final = {names[-1]: g for g, names in enumerate(traced.members) if traced.graph.mem_bytes[g]}
+    made, freed = [0], {}
+    call_node = execute_module.call_node
+
+    def watched(module, modules, node, args, kwargs):
+        recomputing = getattr(measure_module._placement, "recomputing", 0)
+        made[0] += bool(recomputing and node.name in first)
+        out = call_node(module, modules, node, args, kwargs)
+        if recomputing and node.name in final:
+            g = final[node.name]
+            weakref.finalize(out.untyped_storage(), lambda: freed.__setitem__(g, made[0]))
+        return out
+
+    monkeypatch.setattr(execute_module, "call_node", watched)
+    measure(lambda: execute(traced, plan, x, loss_fn=loss_fn), model, (x,), "meta", 0, 0)
+    return freed
+
+
+@pytest.mark.parametrize("net", [*nets.PAPER_NETS, "vit_b_16", "gpt2"])
+def test_each_recomputed_value_goes_when_the_replay_lets_it_go(net, monkeypatch):
+    """Not only the peak: every value a recomputation makes is freed by the executor at the point the replay
+    frees it, counted in the recomputed values made by then. A value held past its last read (to its stage's
+    end, or past the next stage's recomputation) changes the count where it changes no peak."""
+    model, x, loss_fn, traced = built(net)
+    for name, options in [("chen_sqrt", {}), ("approx_dp", {"mode": "mc"})]:
+        plan = strategies.solve(name, traced.graph, **options)
+        replayed = recomputed_lifetimes_replayed(traced.graph, plan)
+        assert replayed, f"{name} recomputes nothing on {net}"
+        ran = recomputed_lifetimes_run(monkeypatch, model, x, loss_fn, traced, plan)
+        late = {traced.graph.names[u]: (ran.get(u), made) for u, made in replayed.items() if ran.get(u) != made}
+        assert not late, f"{name}: value: (freed after this many made, run; replayed): {late}"
+        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("net", ["resnet50", "unet", "pspnet"])

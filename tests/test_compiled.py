@@ -139,12 +139,18 @@ def test_each_ir_nodes_ops_are_tagged_as_the_plan_says(net, size):
     recomputes others: the op an IR node's mark follows (its value) is MUST_SAVE where the plan keeps the node
     and MUST_RECOMPUTE where it recomputes it, every other op traced since the previous mark is MUST_RECOMPUTE
     with a recomputed node and untagged with a kept one (left to the partitioner), and the ops after the last
-    mark (the loss's) untagged. Counting tags, a plan whose ops were tagged for the wrong nodes passed."""
+    mark (the loss's) untagged. Counting tags, a plan whose ops were tagged for the wrong nodes passed. The graph
+    is functional, with the parameters and buffers as its inputs, as AOTAutograd traces it: a buffer the step
+    writes (BatchNorm's count of batches) is a ``copy_`` into its input, and an op that reads such an input
+    before the write is MUST_SAVE whatever its node (NOTE [written inputs under compile])."""
     model, x, loss_fn = nets.build(net, *size)
     traced = trace(model, x, loss_fn=loss_fn)
     plan = quarter_plan(traced.graph)
     assert plan.recomputed and plan.kept & ~plan.recomputed
-    joint = torch.fx.experimental.proxy_tensor.make_fx(lambda x: marked_module(traced)(x))(x)
+    marked = marked_module(traced)
+    state = {**dict(marked.named_parameters()), **dict(marked.named_buffers())}
+    functional = torch.func.functionalize(lambda state, x: torch.func.functional_call(marked, state, (x,)))
+    joint = torch.fx.experimental.proxy_tensor.make_fx(functional)(state, x)
     expected, node_of, since = {}, {}, []  # op -> the policy the plan asks of it, and its IR node
     recomputing = CheckpointPolicy.MUST_RECOMPUTE
     last = [op for op in joint.graph.nodes if op.target is MARK][-1]
@@ -166,6 +172,14 @@ def test_each_ir_nodes_ops_are_tagged_as_the_plan_says(net, size):
             expected[op], node_of[op] = recomputing if plan.recomputed >> v & 1 else None, v
         else:
             since.append(op)
+    written = {op.args[0] for op in joint.graph.nodes
+               if op.target is torch.ops.aten.copy_.default and op.args[0].op == "placeholder"}
+    reads_written = [op for op in joint.graph.nodes if op.op == "call_function"
+                     and op.target is not torch.ops.aten.copy_.default and written & set(op.all_input_nodes)]
+    assert bool(reads_written) == any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    assert any(plan.recomputed >> node_of[op] & 1 for op in reads_written if op in node_of) or not reads_written
+    for op in reads_written:
+        expected[op] = CheckpointPolicy.MUST_SAVE
     tag_plan(joint.graph, plan.recomputed)
     wrong = [(op.name, expected[op], op.meta.get("recompute")) for op in expected
              if op.meta.get("recompute") != expected[op]]
