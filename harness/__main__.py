@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
@@ -18,13 +21,60 @@ def main(cfg: DictConfig) -> None:
                          "net.name=MODEL_TYPE, +net=module net.target=PACKAGE.MODULE:FACTORY")
     if cfg.strategy is None:
         raise SystemExit(f"choose a strategy with +strategy=NAME; valid strategies: {', '.join(strategies.available())}")
+    check_keys(cfg)
     run_cell(net_name(cfg.net), cfg.strategy.name, batch_size=cfg.batch_size, image_size=cfg.image_size,
              device=cfg.device.name, budget=cfg.budget, cost_model=cfg.cost_model.value,
-             options=OmegaConf.to_container(cfg.strategy.options, resolve=True), warmup_steps=cfg.device.warmup_steps,
+             options=strategy_options(cfg), warmup_steps=cfg.device.warmup_steps,
              timed_steps=cfg.device.timed_steps, results_dir=cfg.results_dir, resume=cfg.resume,
              net_options=net_options(cfg.net), compile=cfg.compile,
              dtype=None if cfg.dtype is None else cfg.dtype.value, world_size=cfg.world_size, shard=cfg.shard.value,
              optimizer=cfg.optimizer.value)
+
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def group_keys(group: str, under: str | None = None) -> list[str]:
+    """Every key the configs of ``group`` (``configs/GROUP/*.yaml``) set, at the top or under ``under``."""
+    keys = set()
+    for path in CONFIGS.glob(f"{group}/*.yaml"):
+        config = OmegaConf.load(path)
+        node = config.get(under) if under else config
+        if isinstance(node, DictConfig):
+            keys |= set(node) - {"defaults"}
+    return sorted(keys)
+
+
+def check_keys(cfg: DictConfig) -> None:
+    """Refuse, before anything is built, a key under ``net`` or ``strategy`` that nothing reads (a typo such as
+    ``+strategy.option.mode=mc`` would run the default silently) and a strategy option its ``Options`` refuses,
+    naming the valid ones."""
+    def refuse(kind: str, unknown: list[str], valid) -> None:
+        if unknown:
+            raise SystemExit(f"unknown key {kind}.{unknown[0]}; valid keys there: {', '.join(valid) or 'none'}")
+
+    for kind, node in (("strategy", cfg.strategy), ("net", cfg.net)):
+        valid = group_keys(kind)
+        refuse(kind, sorted(set(node) - set(valid)), valid)
+    if isinstance(cfg.net.get("options"), DictConfig):
+        valid = group_keys("net", "options")
+        refuse("net.options", sorted(set(cfg.net.options) - set(valid)), valid)
+    try:
+        module = strategies.module(cfg.strategy.name)
+    except KeyError as error:
+        raise SystemExit(error.args[0]) from None
+    options = strategy_options(cfg)
+    valid = [field.name for field in dataclasses.fields(module.Options)]
+    refuse("strategy.options", sorted(set(options) - set(valid)), valid)
+    try:
+        module.Options(**options)
+    except (TypeError, ValueError) as error:
+        raise SystemExit(f"strategy.options: {error}") from None
+
+
+def strategy_options(cfg: DictConfig) -> dict:
+    options = cfg.strategy.get("options")
+    return {} if options is None else OmegaConf.to_container(options, resolve=True)
 
 
 def net_name(net: DictConfig) -> str:

@@ -73,7 +73,7 @@ import numpy as np
 from strategies import dp_kernels as kernels
 from strategies.graph import Graph, bitset
 from strategies.plan import InfeasibleBudget, Plan
-from strategies.equation2 import dp_view, equation_2_peak
+from strategies.equation2 import MEMORY_MODELS, dp_view, equation_2_peak
 from strategies.simulate import simulate
 
 MODES = ("tc", "mc")
@@ -87,6 +87,13 @@ class Options:
     # traced: equation (2) counts each value with what its layer saves besides it, and the loss in the last
     # stage; paper: Kusumoto et al.'s, values alone (NOTE [what equation (2) counts] in strategies/equation2.py)
     memory_model: str = "traced"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; valid modes: tc (time-centric, least overhead), "
+                             "mc (memory-centric, most overhead)")
+        if self.memory_model not in MEMORY_MODELS:
+            raise ValueError(f"unknown memory_model {self.memory_model!r}; valid: {', '.join(MEMORY_MODELS)}")
 
 
 @dataclass(frozen=True)

@@ -300,3 +300,42 @@ def test_meta_cells_on_one_net_and_size_share_a_trace_and_measure_what_fresh_cel
     run_cell("vgg19", "chen_sqrt", batch_size=1, image_size=32)
     run_cell("vgg19", "chen_sqrt", batch_size=1, image_size=32, compile=True)
     assert traces == [("resnet50", 4, 32), ("vgg19", 1, 32), ("vgg19", 1, 32)]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["+strategy=approx_dp", "+strategy.option.mode=mc"], "unknown key strategy.option; valid keys there: base, name, options"),
+    (["+strategy=approx_dp", "strategy.options.mode=xyz"], "unknown mode 'xyz'; valid modes: tc"),
+    (["+strategy=approx_dp", "+strategy.options.budget=1"], "unknown key strategy.options.budget; valid keys there: mode"),
+    (["+strategy=vanilla", "+net.depth=3"], "unknown key net.depth; valid keys there: name, options, source, target"),
+    (["+strategy=vanilla", "+net=module", "net.target=a:b", "+net.options.kwarg.x=1"],
+     "unknown key net.options.kwarg; valid keys there: channels, input, kwargs"),
+])
+def test_a_key_nothing_reads_or_an_option_refused_stops_the_run_before_anything_is_built(overrides, message,
+                                                                                          monkeypatch):
+    import harness.__main__ as entry
+
+    monkeypatch.setattr(entry, "run_cell", lambda *args, **kwargs: pytest.fail("the cell ran"))
+    net = [] if any(o.startswith("+net=") for o in overrides) else ["+net=vgg19"]
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose("config", overrides=[*net, *overrides])
+    with pytest.raises(SystemExit, match=message.replace("(", r"\(")):
+        entry.main.__wrapped__(cfg)
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        entry.check_keys(compose("config", overrides=["+net=vgg19", "+strategy=approx_dp", "strategy.options.mode=mc"]))
+
+
+def test_every_run_the_readme_shows_passes_the_checks_at_the_edge():
+    """Each ``python -m harness +net=... +strategy=...`` line of the README composes, and no key of it is refused
+    (``strategy.base`` is swap's own key, set in its config)."""
+    import shlex
+
+    from harness.__main__ import check_keys
+
+    lines = [line.split("#")[0] for line in (ROOT / "README.md").read_text().splitlines()
+             if line.startswith("python -m harness +net=")]
+    assert len(lines) > 10
+    for line in lines:
+        overrides = [word.replace(",", " ").split()[0] if word.startswith("+") else word
+                     for word in shlex.split(line)[3:]]
+        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+            check_keys(compose("config", overrides=overrides))
