@@ -28,7 +28,7 @@ def main(cfg: DictConfig) -> None:
              timed_steps=cfg.device.timed_steps, results_dir=cfg.results_dir, resume=cfg.resume,
              net_options=net_options(cfg.net), compile=cfg.compile,
              dtype=None if cfg.dtype is None else cfg.dtype.value, world_size=cfg.world_size, shard=cfg.shard.value,
-             optimizer=cfg.optimizer.value)
+             optimizer=cfg.optimizer.value, plan_out=cfg.plan_out)
 
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

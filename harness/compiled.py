@@ -221,6 +221,29 @@ class PlanPass:
         return hashlib.sha256(f"recompute_bench.tag_plan:{self.recomputed}".encode()).digest()
 
 
+def plan_backend(device_type: str, recomputed: int):
+    """A ``torch.compile`` backend that tells the partitioner the plan's ``recomputed`` nodes, for the user's own
+    compiled step over ``marked_module`` (``harness.train``): inductor with the plan as its joint graph's
+    pre-pass on cuda, ``aot_eager_decomp_partition``'s pipeline with the plan's partition elsewhere, as
+    ``compiled_step`` compiles a cell's step."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._inductor.compile_fx import compile_fx, select_decomp_table
+    import torch._inductor.config as inductor_config
+
+    if device_type == "cuda":
+        def inductor_with_plan(module, example_inputs):
+            with inductor_config.patch(joint_custom_pre_pass=PlanPass(recomputed)):
+                return compile_fx(module, example_inputs)
+        return inductor_with_plan
+    partition = functools.partial(_tagged_partition,
+                                  functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+                                  recomputed)
+    return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, decompositions=select_decomp_table,
+                        partition_fn=partition, keep_inference_input_mutations=True)
+
+
 def plan_step(traced: Traced, plan: Plan, example_input: torch.Tensor, loss_fn):
     """The training step of ``plan`` under ``torch.compile`` (NOTE [compiling a plan]); the returned
     function has ``compile_time_s``."""

@@ -44,6 +44,7 @@ class Config:
     optimizer: Optimizer = Optimizer.none
     results_dir: str = MISSING
     resume: bool = False
+    plan_out: Optional[str] = None  # a file to write the cell's plan to (harness/plans.py), for harness.train
 
 
 ConfigStore.instance().store(name="config_schema", node=Config)

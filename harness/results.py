@@ -83,14 +83,22 @@ def write_row(row: dict, directory: str | os.PathLike, name: str | None = None) 
     """Write ``row`` to ``directory/name`` (default ``cell_name(row)``); a reader never sees half a file."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / (name or cell_name(row))
-    # The row goes to a hidden temporary beside it (one file system: the rename is atomic), which no table
+
+    def dump(out):
+        json.dump(row, out, indent=1, sort_keys=True)
+        out.write("\n")
+
+    return write_atomically(directory / (name or cell_name(row)), dump)
+
+
+def write_atomically(path: Path, write) -> Path:
+    """Call ``write(file)`` so that ``path`` is the old file or the new one for any reader, never half of one."""
+    # The text goes to a hidden temporary beside it (one file system: the rename is atomic), which no table
     # reads (they read *.json); a failed write removes it, a killed one leaves it hidden.
-    hidden = dict(dir=directory, prefix=f".{path.name}.", suffix=".tmp", delete=False)
+    hidden = dict(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False)
     with tempfile.NamedTemporaryFile("w", **hidden) as out:
         try:
-            json.dump(row, out, indent=1, sort_keys=True)
-            out.write("\n")
+            write(out)
         except BaseException:
             out.close()
             os.unlink(out.name)

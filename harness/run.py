@@ -29,6 +29,7 @@ from harness.budget import parse_budget
 from harness.compiled import plan_step as compiled_plan_step
 from harness.execute import execute
 from harness.measure import check_device, measure
+from harness.plans import save_plan
 from harness.results import SCHEMA_VERSION, cell_name, read_row, write_row
 from harness.cost_models import check_cost_model
 from harness.trace import trace
@@ -43,14 +44,15 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
              warmup_steps: int = 2, timed_steps: int = 5, results_dir: str | Path | None = None,
              resume: bool = False, isolate: bool | None = None, net_options: dict | None = None,
              compile: bool = False, dtype: str | None = None, world_size: int = 1, shard: str = "none",
-             optimizer: str = "none") -> dict:
+             optimizer: str = "none", plan_out: str | Path | None = None) -> dict:
     """Measure ``strategy`` on ``net`` (a zoo net or ``SOURCE:NAME`` with ``net_options``, ``harness.models``)
     and return the result row (also written under ``results_dir``).
 
     ``isolate`` (default: on ``cuda``) measures in a fresh process: PyTorch does not free what a backward
     that ran out of CUDA memory held (pytorch/pytorch#82218), so one ``oom`` cell would leave every later
     cell of a sweep on a nearly full device. ``world_size``, ``shard`` and ``optimizer`` measure one rank
-    of sharded data parallelism (NOTE [a rank under FSDP2] in ``harness/sharding.py``)."""
+    of sharded data parallelism (NOTE [a rank under FSDP2] in ``harness/sharding.py``). ``plan_out`` names a
+    file to write the cell's plan to (NOTE [a plan file] in ``harness/plans.py``), for ``harness.train``."""
     row = cell_row(net, strategy, batch_size=batch_size, image_size=image_size, device=device, budget=budget,
                    cost_model=cost_model, options=options, net_options=net_options, compile=compile, dtype=dtype,
                    warmup_steps=warmup_steps, timed_steps=timed_steps, world_size=world_size, shard=shard,
@@ -68,10 +70,11 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
                                 device=device, budget=budget, cost_model=cost_model, options=options,
                                 warmup_steps=warmup_steps, timed_steps=timed_steps, results_dir=results_dir,
                                 isolate=False, net_options=net_options, compile=compile, dtype=dtype,
-                                world_size=world_size, shard=shard, optimizer=optimizer).result()
+                                world_size=world_size, shard=shard, optimizer=optimizer,
+                                plan_out=plan_out).result()
     start = time.perf_counter()
     try:
-        row.update(_measure_cell(row))
+        row.update(_measure_cell(row, plan_out))
         row["status"] = "ok"
     except strategies.InfeasibleBudget as error:
         row.update(status="infeasible", error=str(error), min_feasible_bytes=error.min_feasible_bytes)
@@ -194,7 +197,7 @@ def _released(model, step):
         return step()
 
 
-def _measure_cell(row: dict) -> dict:
+def _measure_cell(row: dict, plan_out=None) -> dict:
     """The measured and predicted fields of ``row``'s cell. NOTE [what the compiler holds besides the plan]:
     a compiled step may hold more than the plan's replay predicts (PSPNet at batch 8 on meta: 0.71 to 0.83 GB
     at every budget, its partitioner saving what the plan does not know of). A compiled cell with a budget
@@ -210,18 +213,27 @@ def _measure_cell(row: dict) -> dict:
     measured = _measure_built(row, cell)
     budget, peak, predicted = row["budget_bytes"], measured["measured_peak_bytes"], measured["predicted_peak_bytes"]
     if not row["compiled"] or budget is None or peak is None or predicted is None or peak <= budget:
-        return measured
+        return _plan_saved(plan_out, row, cell, measured)
     eager = _eager_peak(row, cell, predicted)
     excess = peak - eager
     if excess <= 0:
-        return {**measured, "device_reserve_bytes": eager - predicted}
+        return _plan_saved(plan_out, row, cell, {**measured, "device_reserve_bytes": eager - predicted})
     try:
         cell = build_cell({**row, "budget_bytes": budget - excess})
     except strategies.InfeasibleBudget as error:
         raise strategies.InfeasibleBudget(budget, error.min_feasible_bytes and error.min_feasible_bytes + excess,
                                           f"{row['strategy']} (compiled, which holds {excess} bytes besides the "
                                           "plan's eager run)") from error
-    return {**_measure_built(row, cell), "compile_excess_bytes": excess, "plan_budget_bytes": budget - excess}
+    return _plan_saved(plan_out, row, cell, {**_measure_built(row, cell), "compile_excess_bytes": excess,
+                                             "plan_budget_bytes": budget - excess})
+
+
+def _plan_saved(plan_out, row: dict, cell: SimpleNamespace, measured: dict) -> dict:
+    """``measured``, the cell's plan written to ``plan_out`` first where one is named (``harness.plans``)."""
+    if plan_out is not None:
+        save_plan(plan_out, cell.plan, cell.traced, cell.example_input, options=row["options"],
+                  budget_bytes=row["budget_bytes"], predicted_peak_bytes=measured["predicted_peak_bytes"])
+    return measured
 
 
 def _eager_peak(row: dict, cell: SimpleNamespace, predicted: int) -> int:
@@ -302,19 +314,20 @@ def fixed_bytes(model, example_input) -> int:
 
 
 def _solve(row: dict, graph, static_bytes: int, zoo_options: dict):
-    """The strategy's plan; the row's budget counts the whole device, the strategy's leaves out what every
-    plan holds anyway (parameters, buffers, the input batch)."""
-    budget = row["budget_bytes"]
-    options = {**zoo_options, **row["options"]}
+    return solve_on_device(row["strategy"], graph, row["budget_bytes"], static_bytes, {**zoo_options, **row["options"]})
+
+
+def solve_on_device(strategy: str, graph, budget: int | None, static_bytes: int, options: dict):
+    """The strategy's plan; ``budget`` counts the whole device, the strategy's leaves out what every plan holds
+    anyway (``static_bytes``: parameters, buffers, the input batch)."""
     try:
         if budget is not None and budget <= static_bytes:  # the fixed part alone does not fit: say what would
-            strategies.solve(row["strategy"], graph, 1, **options)  # raises, with the least by its own count
+            strategies.solve(strategy, graph, 1, **options)  # raises, with the least by its own count
             raise strategies.InfeasibleBudget(budget, None)
-        return strategies.solve(row["strategy"], graph, None if budget is None else budget - static_bytes,
-                                **options)
+        return strategies.solve(strategy, graph, None if budget is None else budget - static_bytes, **options)
     except strategies.InfeasibleBudget as error:
         minimum = None if error.min_feasible_bytes is None else error.min_feasible_bytes + static_bytes
-        raise strategies.InfeasibleBudget(budget, minimum, row["strategy"]) from error
+        raise strategies.InfeasibleBudget(budget, minimum, strategy) from error
 
 
 def _environment() -> dict:

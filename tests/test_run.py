@@ -208,13 +208,13 @@ import harness.run as run
 
 measure, markers = run._measure_cell, pathlib.Path(sys.argv.pop(1))
 
-def planted(row):
+def planted(row, *rest):
     (markers / f"started_{row['batch_size']}").touch()
     if row["batch_size"] == 3:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (planted)")
     if row["batch_size"] == 4:
         time.sleep(600)
-    return measure(row)
+    return measure(row, *rest)
 
 run._measure_cell = planted
 import runpy
@@ -265,7 +265,7 @@ def test_a_cell_measured_in_a_process_of_its_own_is_the_cell_measured_here(tmp_p
     """``isolate`` (the default on cuda: a CUDA OOM leaves its process's device full) on meta, where it costs
     one process start. Measuring is broken in this process: only a fresh one measures."""
     here = run_cell("vgg19", "chen_sqrt", batch_size=2, image_size=32)
-    monkeypatch.setattr(harness.run, "_measure_cell", lambda row: 1 / 0)
+    monkeypatch.setattr(harness.run, "_measure_cell", lambda row, plan_out: 1 / 0)
     assert run_cell("vgg19", "chen_sqrt", batch_size=2, image_size=32)["status"] == "error"
     apart = run_cell("vgg19", "chen_sqrt", batch_size=2, image_size=32, isolate=True, results_dir=tmp_path)
     assert apart["status"] == "ok", apart.get("error")

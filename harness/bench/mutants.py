@@ -208,6 +208,16 @@ MUTANTS = [
            'DEVICE_PARTS = ("params", "grads", "activations")',
            'DEVICE_PARTS = ("params", "grads", "activations", "host")',
            ("tests/test_swap.py::test_the_executor_moves_what_the_plan_says_and_the_peak_follows",)),
+    Mutant("in the user's training loop, a recomputed dropout draws from wherever the generator is",
+           "harness/execute.py",
+           "        if node.name in self.rng_states:\n            set_rng_state(self.rng_states[node.name])\n",
+           "",
+           ("tests/test_train.py::test_twenty_adamw_steps_equal_plain_pytorch_training",)),
+    Mutant("a plan file made for another model loads without a word",
+           "harness/plans.py",
+           "    difference = first_difference(body[\"graph\"], fingerprint(traced, example_input))\n",
+           "    difference = None\n",
+           ("tests/test_train.py::test_a_plan_saved_loads_back_and_is_refused_elsewhere",)),
 ]
 
 
