@@ -859,7 +859,14 @@ def _recomputation(traced: Traced, plan: Plan, stage_nodes: dict[int, list[fx.No
 
 
 def _stage_order(traced: Traced, plan: Plan, stage_of: list[int]) -> list[fx.Node]:
-    """The fx nodes stage by stage (V_1 first), in program order within a stage: a topological order in
+    """The fx nodes stage by stage, in the order ``stage_keys`` gives them."""
+    keys = stage_keys(traced, plan, stage_of)
+    return sorted(keys, key=keys.get)
+
+
+def stage_keys(traced: Traced, plan: Plan, stage_of: list[int]) -> dict[fx.Node, tuple]:
+    """Each fx node's place, ``((stage, index), position)``, in the order the executor runs the forward:
+    stage by stage (V_1 first), in program order within a stage: a topological order in
     which autograd's backward, which runs in reverse creation order, visits the stages one at a time
     from the last, as the canonical strategy does. A node never comes before its inputs; nodes outside
     the IR go with their latest input; a node that draws random numbers never before an earlier one
@@ -892,7 +899,7 @@ def _stage_order(traced: Traced, plan: Plan, stage_of: list[int]) -> list[fx.Nod
         shared = traced.shared_state.get(node.name, ())  # in program order: the same numbers and
         key[node] = max([key[node]] + [last_use[name] for name in shared if name in last_use])  # statistics
         last_use.update(dict.fromkeys(shared, key[node]))
-    return sorted(nodes, key=lambda node: (key[node], position[node]))
+    return {node: (key[node], position[node]) for node in nodes}
 
 
 def _delayed(nodes: list[fx.Node], traced: Traced) -> dict[str, int]:

@@ -36,7 +36,7 @@ def test_host_time_is_the_median_of_steps_profiled_one_by_one_without_the_cycle_
         calls.append(gc.isenabled())
         time.sleep(0.2 if len(calls) == 1 else 0.002)
 
-    ops, python_ms = overhead.ops_and_python(run, "cpu", steps=5)
+    ops, python_ms, _ = overhead.ops_and_python(run, "cpu", steps=5)
     assert calls == [False] * 5 and gc.isenabled()
     assert ops == 0 and 2 <= python_ms < 50, python_ms  # a mean of the five would be over 40 ms
 
@@ -55,3 +55,12 @@ def test_python_work_is_counted_call_by_call_and_the_same_every_run():
     assert overhead.python_calls(twice) - overhead.python_calls(once) == 1
     rows = [overhead.measure_cell("unet", "approx_dp", {"mode": "mc"}, "cpu", steps=1) for _ in range(2)]
     assert rows[0]["python calls"] == rows[1]["python calls"] > rows[0]["their python calls"] > 0
+
+
+def test_a_plan_run_as_checkpoint_regions_is_measured_beside_the_executor_or_said_to_have_no_such_form():
+    executor = overhead.measure_cell("gpt2", "chen_sqrt", {}, "cpu", steps=1)
+    regions = overhead.measure_cell("gpt2", "chen_sqrt", {}, "cpu", steps=1, regions=True)
+    assert regions["strategy"] == "chen_sqrt as checkpoint regions" and regions["wall ms"] > 0
+    assert regions["recomputed calls"] == executor["recomputed calls"] > 0 and regions["ops"] > 0
+    with pytest.raises(overhead.strategies.Inapplicable, match="BatchNorm2d"):
+        overhead.measure_cell("resnet50", "chen_sqrt", {}, "cpu", steps=1, regions=True)

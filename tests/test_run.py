@@ -132,6 +132,14 @@ def test_command_line_errors_name_the_choices(tmp_path):
     assert done.returncode != 0 and "no CUDA GPU" in done.stderr, "device=cuda ran without a GPU"
 
 
+@pytest.mark.slow
+def test_a_cell_whose_row_is_an_error_exits_non_zero_naming_it(tmp_path):
+    done = _harness("+net=module", "net.target=os:getcwd", "+strategy=vanilla", f"results_dir={tmp_path}",
+                    cwd=tmp_path)
+    assert done.returncode != 0
+    assert "the factory returned a str, not an nn.Module" in done.stderr and "module:os:getcwd__vanilla" in done.stderr
+
+
 def test_a_run_in_bfloat16_holds_half_of_float32_and_says_so(tmp_path):
     rows = {dtype: run_cell("resnet50", "approx_dp", batch_size=4, image_size=64, dtype=dtype, results_dir=tmp_path)
             for dtype in ("float32", "bfloat16")}

@@ -14,7 +14,8 @@ from harness import nets
 from harness.measure import measure
 from harness.plans import PlanFileError
 from harness.run import run_cell
-from harness.train import plan_training
+from harness.trace import trace
+from harness.train import CheckpointedStages, as_checkpoint_plan, plan_training
 
 STEPS = 20
 
@@ -76,13 +77,14 @@ MODELS = {"cnn_batchnorm": (small_cnn, image_batch, F.cross_entropy),
           "gpt_dropout": (SmallGPT, token_batch, next_token_loss)}
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("form", ["eager", "compiled", "checkpoint"])
 @pytest.mark.parametrize("strategy", ["approx_dp", "chen_sqrt"])
 @pytest.mark.parametrize("name", MODELS)
-def test_twenty_adamw_steps_equal_plain_pytorch_training(name, strategy, compiled):
+def test_twenty_adamw_steps_equal_plain_pytorch_training(name, strategy, form):
     """Twenty AdamW steps on new random batches with labels, in float64: every loss, and every parameter and
     buffer at the end, equal plain PyTorch's (compiled: the model compiled as its users compile it, whose
-    random ops draw their own masks), BatchNorm's statistics updated once a step."""
+    random ops draw their own masks), BatchNorm's statistics updated once a step. As checkpoint regions, a
+    recomputed BatchNorm is refused, naming it: torch.utils.checkpoint would update its statistics twice."""
     make, batch, loss_fn = MODELS[name]
     torch.manual_seed(0)
     model = make().double()
@@ -91,13 +93,20 @@ def test_twenty_adamw_steps_equal_plain_pytorch_training(name, strategy, compile
     assert step.plan.recomputed, f"{strategy} recomputes nothing on {name}"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    if compiled:
+    if form == "compiled":
         planned = torch.compile(step.module, backend=step.backend)
         plain = torch.compile(reference, backend="aot_eager_decomp_partition")
+    if form == "checkpoint":
+        if name == "cnn_batchnorm":
+            with pytest.raises(ValueError, match=r"recomputes BatchNorm2d \(.*\), which writes the model's state"):
+                step.checkpointed()
+            return
+        planned = step.checkpointed()
+        assert planned.get_parameter("program.head.weight") is model.head.weight
     for i in range(STEPS):
         inputs, labels = batch()
         torch.manual_seed(i)
-        if compiled:
+        if form != "eager":
             loss = loss_fn(planned(inputs), labels)
             loss.backward()
         else:
@@ -105,7 +114,7 @@ def test_twenty_adamw_steps_equal_plain_pytorch_training(name, strategy, compile
         optimizer.step()
         optimizer.zero_grad()
         torch.manual_seed(i)
-        reference_loss = loss_fn((plain if compiled else reference)(inputs), labels)
+        reference_loss = loss_fn((plain if form == "compiled" else reference)(inputs), labels)
         reference_loss.backward()
         reference_optimizer.step()
         reference_optimizer.zero_grad()
@@ -204,3 +213,60 @@ def test_bad_batches_and_budgets_are_refused_and_the_model_is_left_as_it_was():
         plan_training(model, inputs, labels, loss_fn=F.cross_entropy, strategy="approx_dp", budget=least - 1)
     with pytest.raises(ValueError, match="not one the executor runs"):
         plan_training(model, inputs, labels, loss_fn=F.cross_entropy, strategy="torch_compile_budget")
+
+
+def test_as_checkpoint_regions_the_plan_holds_what_its_checkpointed_form_predicts_on_meta():
+    """GPT-2 on meta: the plan run as ``torch.utils.checkpoint`` regions measures what the replay predicts for
+    the plan with those stages checkpointed (``as_checkpoint_plan``), to the byte: a little above the executor's
+    step, by what checkpoint's frames hold (a region's inputs through its backward)."""
+    model, x, loss_fn = nets.build("gpt2", 2, 256, "meta")
+    step = plan_training(model, x, loss_fn=loss_fn, strategy="approx_dp")
+    regions = step.checkpointed()
+
+    def run():
+        loss = loss_fn(regions(x))
+        loss.backward()
+        return loss.detach()
+
+    measured = measure(run, model, (x,), "meta").peak_bytes
+    predicted = strategies.simulate(step.traced.graph, as_checkpoint_plan(step.plan)).peak_bytes + step.static_bytes
+    assert measured == predicted
+    assert step.predicted_peak_bytes < measured <= 1.01 * step.predicted_peak_bytes
+
+
+def test_as_checkpoint_regions_a_recomputed_draw_after_a_cached_one_gets_the_state_its_forward_found():
+    """One stage that keeps the first dropout's value and recomputes the second: the recomputation skips the
+    cached first dropout, so the second draws from the state its forward call found, recorded then, not from
+    the stage's start (``checkpoint``'s own RNG replay), and the gradients are plain PyTorch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 2)).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    traced = trace(model, x)
+    graph = traced.graph
+    dropouts = [v for v in range(len(graph)) if graph.scopes[v] in ("1", "3")]
+    plan = strategies.Plan.from_stages(graph, [graph.all_nodes], kept=1 << dropouts[0])
+    assert plan.recomputed >> dropouts[1] & 1
+    regions = CheckpointedStages(traced, plan, x)
+    for module, seed in ((regions, 1), (reference, 1)):
+        torch.manual_seed(seed)
+        module(x).square().sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("net, batch, size", [("unet", 1, 188), ("gpt2", 1, 32)])
+def test_as_checkpoint_regions_a_zoo_net_without_batchnorm_computes_plain_pytorchs_step(net, batch, size):
+    """U-Net crops its skip connections to shapes made in later stages: such a view runs in the region of the
+    stage it waits for, as the executor orders it; the loss and gradients are plain PyTorch's, in float64."""
+    torch.manual_seed(0)
+    model, x, loss_fn = nets.build(net, batch, size, "cpu", "float64")
+    reference = copy.deepcopy(model)
+    for strategy in ("approx_dp", "chen_sqrt"):
+        regions = plan_training(model, x, loss_fn=loss_fn, strategy=strategy).checkpointed()
+        for module in (regions, reference):
+            torch.manual_seed(1)
+            loss_fn(module(x)).backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12 * q.grad.abs().max().item())
+            p.grad = q.grad = None

@@ -218,6 +218,12 @@ MUTANTS = [
            "    difference = first_difference(body[\"graph\"], fingerprint(traced, example_input))\n",
            "    difference = None\n",
            ("tests/test_train.py::test_a_plan_saved_loads_back_and_is_refused_elsewhere",)),
+    Mutant("as checkpoint regions, a recomputed dropout draws from the state the cached calls before it left",
+           "harness/train.py",
+           "                    if recompute:\n                        set_rng_state(seen[node.name])\n",
+           "                    if recompute:\n                        pass\n",
+           ("tests/test_train.py::test_as_checkpoint_regions_a_recomputed_draw_after_a_cached_one_gets_the_state_its_"
+            "forward_found",)),
 ]
 
 

@@ -12,8 +12,11 @@ goals a lean executor meets:
 - Python: at most 1.2x vanilla's, plus the recomputed calls' own.
 
 Each row says whether it meets them, and by how much it exceeds vanilla's and ``torch_checkpoint_blocks``'.
-Op counts are deterministic (the same every run); Python times are a machine's, and on a shared two-core
-machine move by a third between runs. So the Python work is counted too, on ``cpu``: the Python function calls
+``approx_dp`` (tc) and ``chen_sqrt`` also run as ``torch.utils.checkpoint`` regions (``harness.train``, NOTE [a plan
+as checkpoint regions]), a second answer to how much host work a plan needs; a net whose recomputed calls write
+its state (BatchNorm) has no such form, and says so. The wall time of a step (median) is beside each row.
+Op counts are deterministic (the same every run); Python times are a machine's, and on a busy one move by a
+third between runs. So the Python work is counted too, on ``cpu``: the Python function calls
 of one more step (``python_calls``, the same every run), held to the same goal (1.2x vanilla's, plus the
 recomputed calls' own). Writes ``OUT_STEM.md`` and ``OUT_STEM.csv``. ``meta`` runs no ops and has no host time to
 measure: it is refused.
@@ -42,6 +45,7 @@ from harness.results import label
 from harness.run import build_cell, cell_row
 from harness.state import generators_of, state_kept
 from harness.traced import Traced
+from harness.train import CheckpointedStages
 
 DEVICES = ("cpu", "cuda")
 SIZES = {"resnet50": (2, 64), "vgg19": (2, 64), "googlenet": (2, 64), "densenet161": (2, 64), "pspnet": (1, 64),
@@ -49,12 +53,13 @@ SIZES = {"resnet50": (2, 64), "vgg19": (2, 64), "googlenet": (2, 64), "densenet1
 STRATEGIES = [("vanilla", {}), ("torch_checkpoint_blocks", {}), ("torch_checkpoint_sequential", {}),
               ("liveness_only", {}), ("chen_sqrt", {}), ("chen_greedy", {}), ("approx_dp", {"mode": "tc"}),
               ("approx_dp", {"mode": "mc"}), ("exact_dp", {"mode": "tc"}), ("exact_dp", {"mode": "mc"})]
+REGIONS = [("approx_dp", {"mode": "tc"}), ("chen_sqrt", {})]  # also run as checkpoint regions
 CALL_OPS = 2  # ops a recomputed call may add beside its own
 PYTHON_FACTOR = 1.2  # of vanilla's host time outside ATen
 
 
-def ops_and_python(run, device: str, steps: int = 1) -> tuple[float, float]:
-    """(ATen op calls, host ms outside ATen ops) of one call of ``run``: the median over ``steps`` calls, each
+def ops_and_python(run, device: str, steps: int = 1) -> tuple[float, float, float]:
+    """(ATen op calls, host ms outside ATen ops, wall ms) of one call of ``run``: the median over ``steps`` calls, each
     profiled on its own, with Python's cycle collector run before it and held off during it (the timing
     protocol, ``harness.results.TIMING_PROTOCOL``). One slow call (the machine busy elsewhere for a moment)
     moves a mean of a few calls by half; it does not move their median."""
@@ -67,8 +72,8 @@ def ops_and_python(run, device: str, steps: int = 1) -> tuple[float, float]:
             sync()
             wall_ms = (time.perf_counter() - start) * 1e3
         ops = host_ops(prof.key_averages(), 1, device)
-        samples.append((aten_calls(ops), max(0.0, wall_ms - ops["host self ms"].sum())))
-    return statistics.median(o for o, _ in samples), statistics.median(p for _, p in samples)
+        samples.append((aten_calls(ops), max(0.0, wall_ms - ops["host self ms"].sum()), wall_ms))
+    return tuple(statistics.median(sample[i] for sample in samples) for i in range(3))
 
 
 def python_calls(run) -> int:
@@ -117,11 +122,12 @@ def plain_recomputation(traced: Traced, example_input: torch.Tensor, names: list
                 call_node(module, submodules, nodes[name], args, kwargs)
 
         run()  # warm-up
-        return (*ops_and_python(run, example_input.device.type, steps), python_calls(run))
+        return (*ops_and_python(run, example_input.device.type, steps)[:2], python_calls(run))
 
 
-def measure_cell(net: str, strategy: str, options: dict, device: str, steps: int) -> dict:
-    """The cell's row of figures; ``strategies.Inapplicable`` where the strategy has no plan for the net."""
+def measure_cell(net: str, strategy: str, options: dict, device: str, steps: int, regions: bool = False) -> dict:
+    """The cell's row of figures (``regions``: its plan run as checkpoint regions); ``strategies.Inapplicable``
+    where the strategy has no plan for the net, or the plan no such form."""
     batch, side = SIZES[net]
     row = cell_row(net, strategy, batch_size=batch, image_size=side, device=device, options=options)
     cell = build_cell(row)
@@ -129,16 +135,27 @@ def measure_cell(net: str, strategy: str, options: dict, device: str, steps: int
         clear_grads(cell.model)
         cell.step()  # the first step learns what each call needs
     recomputed = [name for stage in stages for name in stage]
+    run = cell.step
+    if regions:
+        try:
+            module = CheckpointedStages(cell.traced, cell.plan, cell.example_input)
+        except ValueError as error:
+            raise strategies.Inapplicable(str(error)) from None
+
+        def run():
+            cell.loss_fn(module(cell.example_input)).backward()
 
     def step():
         clear_grads(cell.model)
-        cell.step()
+        run()
 
-    ops, python_ms = ops_and_python(step, device, steps)
+    step()  # warm-up
+    ops, python_ms, wall_ms = ops_and_python(step, device, steps)
     calls = python_calls(step) if device == "cpu" else None
     own_ops, own_python, own_calls = plain_recomputation(cell.traced, cell.example_input, recomputed, steps) \
         if recomputed else (0.0, 0.0, 0)
-    return {"net": net, "batch": batch, "side": side, "strategy": label(strategy, options),
+    name = label(strategy, options) + (" as checkpoint regions" if regions else "")
+    return {"net": net, "batch": batch, "side": side, "strategy": name, "wall ms": wall_ms,
             "ops": ops, "python ms": python_ms, "python calls": calls,
             "recomputed calls": len(recomputed), "their ops": own_ops, "their python ms": own_python,
             "their python calls": own_calls}
@@ -151,7 +168,8 @@ def table(rows: pd.DataFrame) -> pd.DataFrame:
         vanilla = group[group.strategy == "vanilla"].iloc[0]
         blocks = group[group.strategy == "torch_checkpoint_blocks"]
         for _, row in group.iterrows():
-            peer = row.strategy.startswith("torch_")  # PyTorch's checkpointing: the reference, not held to a goal
+            # PyTorch's checkpointing (the peers, and a plan as checkpoint regions): a reference, not held to a goal
+            peer = row.strategy.startswith("torch_") or row.strategy.endswith(" as checkpoint regions")
             ops_bound = None if peer else vanilla.ops + row["their ops"] + CALL_OPS * row["recomputed calls"]
             python_bound = None if peer else PYTHON_FACTOR * vanilla["python ms"] + row["their python ms"]
             counted = not pd.isna(row["python calls"])
@@ -168,7 +186,8 @@ def table(rows: pd.DataFrame) -> pd.DataFrame:
                         "python calls": row["python calls"], "calls bound": calls_bound,
                         "calls ok": "" if calls_bound is None
                         else "yes" if row["python calls"] <= calls_bound else "no",
-                        "calls / vanilla": row["python calls"] / vanilla["python calls"] if counted else None})
+                        "calls / vanilla": row["python calls"] / vanilla["python calls"] if counted else None,
+                        "wall ms": row["wall ms"], "wall / vanilla": row["wall ms"] / vanilla["wall ms"]})
     return pd.DataFrame(out)
 
 
@@ -190,19 +209,21 @@ def main(argv=None) -> None:
         parser.error(f"unknown net(s) {unknown}; choose from {', '.join(SIZES)}")
     chosen = STRATEGIES if not args.strategies else [
         (s, o) for s, o in STRATEGIES if s in args.strategies.split(",") or s == "vanilla"]
-    cells = [(net, strategy, options) for net in net_names for strategy, options in chosen]
+    cells = [(net, strategy, options, regions) for net in net_names for strategy, options in chosen
+             for regions in ((False, True) if (strategy, options) in REGIONS else (False,))]
     rows, inapplicable = [], []
-    for net, strategy, options in tqdm(cells, desc="overhead", unit="cell"):
+    for net, strategy, options, regions in tqdm(cells, desc="overhead", unit="cell"):
         try:
-            rows.append(measure_cell(net, strategy, options, args.device, args.steps))
+            rows.append(measure_cell(net, strategy, options, args.device, args.steps, regions))
         except strategies.Inapplicable as error:
-            inapplicable.append(f"- {net}, {label(strategy, options)}: {error}")
+            form = " as checkpoint regions" if regions else ""
+            inapplicable.append(f"- {net}, {label(strategy, options)}{form}: {error}")
     frame = table(pd.DataFrame(rows))
     args.out_stem.parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out_stem.with_suffix(".csv"), index=False, float_format="%.4g")
     command = command_of("overhead", argv)
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    recomputing = frame[frame["recomputed calls"] > 0]
+    recomputing = frame[(frame["recomputed calls"] > 0) & (frame["ops ok"] != "")]  # the executor's cells
     goals = (f"Goals: ops within the bound in {(recomputing['ops ok'] == 'yes').sum()} of {len(recomputing)} "
              f"recomputing cells, Python time within it in {(recomputing['python ok'] == 'yes').sum()}"
              + (f", Python calls in {(recomputing['calls ok'] == 'yes').sum()}." if args.device == "cpu" else "."))
@@ -211,7 +232,8 @@ def main(argv=None) -> None:
         "after one warm-up, the cycle collector run between them. Bounds: ops at most vanilla's + the recomputed "
         "calls' own + 2 per recomputed call; "
         "Python (host time outside ATen ops) at most 1.2x vanilla's + the recomputed calls' own, run plainly; "
-        "Python calls (one more step, counted, the same every run) likewise.\n\n"
+        "Python calls (one more step, counted, the same every run) likewise. A plan \"as checkpoint regions\" "
+        "runs as torch.utils.checkpoint regions (harness.train): like the peers, a reference, held to no bound.\n\n"
         f"{goals}\n\n" + frame.to_markdown(index=False, floatfmt=".4g") + "\n"
         + ("\nNot run (no plan for the net):\n\n" + "\n".join(inapplicable) + "\n" if inapplicable else ""))
     print(goals)
