@@ -33,9 +33,9 @@ import strategies
 from harness.budget import parse_budget
 from harness.compiled import marked_module, plan_backend
 from harness.execute import call_node, execute, stage_keys
-from harness.state import generators_of, rng_state, set_rng_state
 from harness.plans import load_plan, save_plan
 from harness.run import fixed_bytes, solve_on_device
+from harness.state import generators_of, rng_state, set_rng_state
 from harness.trace import meta_copy, trace
 from harness.traced import describe
 
@@ -110,6 +110,7 @@ def plan_training(model: torch.nn.Module, example_input: torch.Tensor, *example_
     if plan is not None:
         chosen, saved = load_plan(plan, traced, example_input)
         options = saved["options"]
+        budget_bytes = saved["budget_bytes"] if budget is None else budget_bytes
     else:
         chosen = solve_on_device(strategy, traced.graph, budget_bytes, fixed_bytes(model, example_input), options)
     if chosen.runner is not None or chosen.schedule is not None:

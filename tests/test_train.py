@@ -187,9 +187,11 @@ def test_a_plan_saved_loads_back_and_is_refused_elsewhere(tmp_path):
         assert torch.equal(value, state[key]), key
 
     meta, x, loss_fn = nets.build("vgg19", 1, 32, "meta")
-    row = run_cell("vgg19", "approx_dp", batch_size=1, image_size=32, plan_out=tmp_path / "vgg19.json")
+    row = run_cell("vgg19", "approx_dp", batch_size=1, image_size=32, budget="2GB",
+                   plan_out=tmp_path / "vgg19.json")
     loaded = plan_training(meta, x, loss_fn=loss_fn, plan=tmp_path / "vgg19.json")
     assert loaded.plan.strategy == "approx_dp" and loaded.predicted_peak_bytes == row["predicted_peak_bytes"]
+    assert loaded.budget_bytes == row["budget_bytes"] == 2 * 10**9 and loaded.options == row["options"]
 
 
 def test_bad_batches_and_budgets_are_refused_and_the_model_is_left_as_it_was():
