@@ -226,10 +226,7 @@ def plan_backend(device_type: str, recomputed: int):
     compiled step over ``marked_module`` (``harness.train``): inductor with the plan as its joint graph's
     pre-pass on cuda, ``aot_eager_decomp_partition``'s pipeline with the plan's partition elsewhere, as
     ``compiled_step`` compiles a cell's step."""
-    from functorch.compile import min_cut_rematerialization_partition
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._dynamo.backends.debugging import boxed_nop
-    from torch._inductor.compile_fx import compile_fx, select_decomp_table
+    from torch._inductor.compile_fx import compile_fx
     import torch._inductor.config as inductor_config
 
     if device_type == "cuda":
@@ -237,9 +234,23 @@ def plan_backend(device_type: str, recomputed: int):
             with inductor_config.patch(joint_custom_pre_pass=PlanPass(recomputed)):
                 return compile_fx(module, example_inputs)
         return inductor_with_plan
-    partition = functools.partial(_tagged_partition,
-                                  functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
-                                  recomputed)
+    return _aot_eager(_partition(recomputed))
+
+
+def _partition(recomputed: int | None):
+    """The partitioner's min-cut, told the plan's ``recomputed`` nodes where there is a plan."""
+    from functorch.compile import min_cut_rematerialization_partition
+
+    partition = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+    return partition if recomputed is None else functools.partial(_tagged_partition, partition, recomputed)
+
+
+def _aot_eager(partition):
+    """``aot_eager_decomp_partition``'s pipeline with ``partition`` (the cpu backend of a compiled step)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._inductor.compile_fx import select_decomp_table
+
     return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, decompositions=select_decomp_table,
                         partition_fn=partition, keep_inference_input_mutations=True)
 
@@ -272,14 +283,9 @@ def compiled_step(forward, model: nn.Module, example_input: torch.Tensor, loss_f
     import torch._dynamo  # NOTE [imported where used] in harness/nets.py
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
-    from functorch.compile import min_cut_rematerialization_partition
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._inductor.compile_fx import select_decomp_table
 
     patches = [functorch_config.patch(activation_memory_budget=budget_ratio)]
-    partition = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
-    if recomputed is not None:
-        partition = functools.partial(_tagged_partition, partition, recomputed)
+    partition = _partition(recomputed)
     # Each cell compiles anew: dynamo's cache would otherwise fill with earlier cells' models (one entry per
     # instance) and, past its size limit, run later ones eagerly without a word.
     torch._dynamo.reset()
@@ -293,11 +299,7 @@ def compiled_step(forward, model: nn.Module, example_input: torch.Tensor, loss_f
         if recomputed is not None:
             patches.append(inductor_config.patch(joint_custom_pre_pass=PlanPass(recomputed)))
     else:
-        from torch._dynamo.backends.debugging import boxed_nop
-
-        # aot_eager_decomp_partition, with the plan's partition where there is one
-        backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, decompositions=select_decomp_table,
-                               partition_fn=partition, keep_inference_input_mutations=True)
+        backend = _aot_eager(partition)
     compiled = torch.compile(forward, backend=backend)
 
     def run():

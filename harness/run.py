@@ -208,32 +208,32 @@ def _measure_cell(row: dict, plan_out=None) -> dict:
     byte); on cuda the eager step is measured too, since the device adds its reserve (cuDNN's and cuBLAS's
     workspaces, the allocator's rounding) to both, and that reserve, which every eager row carries over its
     budget as well (``device_reserve_bytes``), is no plan's doing: solving again for it would compile
-    ResNet-152 twice for nothing."""
+    ResNet-152 twice for nothing. ``plan_out``: a file the measured plan is written to (``harness.plans``)."""
+    measured, cell = _measured_cell(row)
+    if plan_out is not None:
+        save_plan(plan_out, cell.plan, cell.traced, cell.example_input, options=row["options"],
+                  budget_bytes=row["budget_bytes"], predicted_peak_bytes=measured["predicted_peak_bytes"])
+    return measured
+
+
+def _measured_cell(row: dict) -> tuple[dict, SimpleNamespace]:
+    """``_measure_cell``'s fields, and the cell whose plan they measured."""
     cell = build_cell(row)
     measured = _measure_built(row, cell)
     budget, peak, predicted = row["budget_bytes"], measured["measured_peak_bytes"], measured["predicted_peak_bytes"]
     if not row["compiled"] or budget is None or peak is None or predicted is None or peak <= budget:
-        return _plan_saved(plan_out, row, cell, measured)
+        return measured, cell
     eager = _eager_peak(row, cell, predicted)
     excess = peak - eager
     if excess <= 0:
-        return _plan_saved(plan_out, row, cell, {**measured, "device_reserve_bytes": eager - predicted})
+        return {**measured, "device_reserve_bytes": eager - predicted}, cell
     try:
         cell = build_cell({**row, "budget_bytes": budget - excess})
     except strategies.InfeasibleBudget as error:
         raise strategies.InfeasibleBudget(budget, error.min_feasible_bytes and error.min_feasible_bytes + excess,
                                           f"{row['strategy']} (compiled, which holds {excess} bytes besides the "
                                           "plan's eager run)") from error
-    return _plan_saved(plan_out, row, cell, {**_measure_built(row, cell), "compile_excess_bytes": excess,
-                                             "plan_budget_bytes": budget - excess})
-
-
-def _plan_saved(plan_out, row: dict, cell: SimpleNamespace, measured: dict) -> dict:
-    """``measured``, the cell's plan written to ``plan_out`` first where one is named (``harness.plans``)."""
-    if plan_out is not None:
-        save_plan(plan_out, cell.plan, cell.traced, cell.example_input, options=row["options"],
-                  budget_bytes=row["budget_bytes"], predicted_peak_bytes=measured["predicted_peak_bytes"])
-    return measured
+    return {**_measure_built(row, cell), "compile_excess_bytes": excess, "plan_budget_bytes": budget - excess}, cell
 
 
 def _eager_peak(row: dict, cell: SimpleNamespace, predicted: int) -> int:

@@ -34,7 +34,7 @@ from harness.budget import parse_budget
 from harness.compiled import marked_module, plan_backend
 from harness.execute import call_node, execute, stage_keys
 from harness.plans import load_plan, save_plan
-from harness.run import fixed_bytes, solve_on_device
+from harness.run import check_compilable, fixed_bytes, solve_on_device
 from harness.state import generators_of, rng_state, set_rng_state
 from harness.trace import meta_copy, trace
 from harness.traced import describe
@@ -80,9 +80,7 @@ class PlannedStep:
     @functools.cached_property
     def backend(self):
         """The ``torch.compile`` backend that runs the plan (``harness.compiled.plan_backend``)."""
-        if self.plan.swapped:
-            raise ValueError(f"{self.plan.strategy}: its copies to host memory are made by saved-tensor hooks, "
-                             "which compiled code never runs; use the eager step")
+        check_compilable(self.plan)
         return plan_backend(self.example_input.device.type, self.plan.recomputed)
 
     def checkpointed(self) -> "CheckpointedStages":
@@ -147,7 +145,6 @@ class CheckpointedStages(torch.nn.Module):
     def __init__(self, traced, plan, example_input: torch.Tensor):
         super().__init__()
         self.program = traced.module
-        self.traced, self.plan = traced, plan
         # The executor's forward order (harness/execute.py): stage by stage, draws and state writes in the
         # program's order, a call of no IR node with its latest input, a view that reads a shape made in a later
         # stage (U-Net's crops) with that stage; each call runs in the region of the stage it runs in there.

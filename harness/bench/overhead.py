@@ -145,11 +145,13 @@ def measure_cell(net: str, strategy: str, options: dict, device: str, steps: int
         def run():
             cell.loss_fn(module(cell.example_input)).backward()
 
+        clear_grads(cell.model)
+        run()  # the regions' own warm-up step
+
     def step():
         clear_grads(cell.model)
         run()
 
-    step()  # warm-up
     ops, python_ms, wall_ms = ops_and_python(step, device, steps)
     calls = python_calls(step) if device == "cpu" else None
     own_ops, own_python, own_calls = plain_recomputation(cell.traced, cell.example_input, recomputed, steps) \
