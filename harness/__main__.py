@@ -72,6 +72,8 @@ def check_keys(cfg: DictConfig) -> None:
         raise SystemExit(error.args[0]) from None
     options = strategy_options(cfg)
     valid = [field.name for field in dataclasses.fields(module.Options)]
+    if "mode" in options and "mode" not in valid:
+        raise SystemExit(f"strategy.options.mode: {strategies.no_memory_mode(cfg.strategy.name)}")
     refuse("strategy.options", sorted(set(options) - set(valid)), valid)
     try:
         module.Options(**options)

@@ -28,6 +28,7 @@ from strategies.simulate import Prediction, simulate
 _MODULES = {
     "vanilla": "strategies.vanilla",
     "optimal": "strategies.optimal",
+    "brute_force": "strategies.brute_force",
     "liveness_only": "strategies.liveness_only",
     "exact_dp": "strategies.exact_dp",
     "approx_dp": "strategies.approx_dp",
@@ -46,8 +47,17 @@ __all__ = ["Action", "Graph", "Inapplicable", "InfeasibleBudget", "Plan", "Predi
            "available", "bits", "cycle_collector_off", "members", "module", "simulate", "solve"]
 
 
+# The strategies with a ``mode`` option, tc (time-centric) or mc (memory-centric).
+WITH_MEMORY_MODE = ("approx_dp", "brute_force", "exact_dp", "optimal")
+
+
 def available() -> list[str]:
     return sorted(_MODULES)
+
+
+def no_memory_mode(name: str) -> str:
+    return (f"{name} has no memory-centric mode; strategies with one: {', '.join(WITH_MEMORY_MODE)} "
+            "(option mode=mc)")
 
 
 def module(name: str) -> ModuleType:
@@ -64,6 +74,8 @@ def solve(name: str, graph: Graph, budget_bytes: int | None = None, **options) -
     strategy = module(name)
     valid = [f.name for f in dataclasses.fields(strategy.Options)]
     unknown = sorted(set(options) - set(valid))
+    if "mode" in unknown:
+        raise TypeError(no_memory_mode(name))
     if unknown:
         raise TypeError(f"strategy {name!r} has no option {', '.join(unknown)}; "
                         f"its options: {', '.join(valid) or 'none'}")

@@ -22,7 +22,7 @@ from strategies import lower_set_dp
 from strategies.graph import Graph, words_of
 from strategies.lower_set_dp import minimal_budget, prepare, solve_family
 from strategies.lower_sets import all_lower_set_words, principal_lower_sets
-from strategies.plan import Plan, SolverTimeout
+from strategies.plan import InfeasibleBudget, Plan, SolverTimeout
 from strategies.equation2 import dp_view
 
 # Budgets are judged by the liveness replay (memory_model=paper: equation (2), Kusumoto et al.'s; NOTE [judging a
@@ -37,11 +37,14 @@ class Options(lower_set_dp.Options):
     # can take minutes); None: no limit.
     time_limit_s: float | None = 600.0
 
+    def __post_init__(self):
+        lower_set_dp.Options.__post_init__(self)
+        if self.time_limit_s is not None and not self.time_limit_s > 0:
+            raise ValueError(f"exact_dp: time_limit_s must be positive (or None: no limit), got {self.time_limit_s}")
+
 
 def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = None) -> Plan:
     options = options or Options()
-    if options.time_limit_s is not None and options.time_limit_s <= 0:
-        raise ValueError(f"exact_dp: time_limit_s must be positive (or None: no limit), got {options.time_limit_s}")
     start = time.perf_counter()
     deadline = math.inf if options.time_limit_s is None else start + options.time_limit_s
     principal = principal_lower_sets(graph)
@@ -65,9 +68,18 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
     # The approximate DP's chains are chains of the exact family: its minimal budget bounds the search.
     approx = prepare(dp_view(graph, options.memory_model), words_of(principal, len(graph)))
     upper = minimal_budget(approx) + sum(graph.param_bytes)
+
+    def approx_plan():  # its chains are the exact DP's too: the exact DP's plan is never worse than approx_dp's
+        try:
+            return [solve_family(graph, words_of(principal, len(graph)), budget_bytes, options.mode, "exact_dp",
+                                 memory_model=options.memory_model, deadline=deadline)]
+        except InfeasibleBudget:  # its least plan then, so that the least reported is never above approx_dp's
+            return [solve_family(graph, words_of(principal, len(graph)), None, options.mode, "exact_dp",
+                                 memory_model=options.memory_model, deadline=deadline)]
+
     try:  # a pass over the family looks at the clock as it goes, too
         plan = solve_family(graph, family, budget_bytes, options.mode, "exact_dp", upper_bytes=int(upper),
-                            memory_model=options.memory_model, check=check, deadline=deadline)
+                            memory_model=options.memory_model, check=check, deadline=deadline, starts=approx_plan)
     except TimeoutError:
         raise out_of_time(f"{len(family):,}") from None
     plan.info["lower_sets"] = len(family)

@@ -2,7 +2,6 @@
 relaxation never above the replay, and its plans exact and within budget when run."""
 
 import dataclasses
-import itertools
 import math
 import random
 import sys
@@ -15,33 +14,12 @@ from hypothesis import strategies as st
 
 import strategies
 from strategies import Graph, InfeasibleBudget, Plan, simulate, solve
-from strategies.lower_sets import all_lower_sets
+from strategies.brute_force import every_plan
 from test_dp import small_dags
 
 cp_model = pytest.importorskip("ortools.sat.python.cp_model")
-from strategies.optimal import _Relaxation, finest, nothing_reads  # noqa: E402
+from strategies.optimal import _Relaxation, finest, nothing_reads, solver_of  # noqa: E402
 from strategies.replay import peak_layer, timeline  # noqa: E402
-
-
-def every_plan(graph):
-    """Every plan the executor runs: each chain of lower sets, with each kept set that keeps what a later
-    stage reads."""
-    family = all_lower_sets(graph)
-
-    def chains(lower, stages):
-        if lower == graph.all_nodes:
-            yield stages
-        for bigger in family:
-            if bigger != lower and bigger & lower == lower:
-                yield from chains(bigger, stages + [bigger & ~lower])
-
-    for stages in chains(0, []):
-        stage_of = Plan.from_stages(graph, stages, kept=graph.all_nodes).stage_of(len(graph))
-        must = {u for u, v in graph.edges if stage_of[u] != stage_of[v]}
-        free = [v for v in range(len(graph)) if v not in must]
-        for r in range(len(free) + 1):
-            for extra in itertools.combinations(free, r):
-                yield Plan.from_stages(graph, stages, kept=sum(1 << v for v in must | set(extra)))
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -60,6 +38,23 @@ def test_the_optimum_is_brute_force_over_every_plan_and_never_above_exact_dp(gra
     except InfeasibleBudget:
         return
     assert prediction.overhead_cost <= simulate(graph, exact).overhead_cost
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_dags(max_nodes=5))
+def test_the_least_memory_is_brute_force_over_every_plan_and_never_above_a_dp(graph):
+    """``mode=mc``: the least peak over every plan, proven, and the least recomputation at it."""
+    reference = simulate(graph, solve("brute_force", graph, mode="mc"))
+    plan = solve("optimal", graph, mode="mc", time_limit_s=60)
+    prediction = simulate(graph, plan)
+    assert plan.info["optimal_status"] == "optimal" and plan.info["gap"] == 0
+    assert prediction.peak_bytes == reference.peak_bytes == plan.info["peak_lower_bound"]
+    assert prediction.overhead_cost == reference.overhead_cost and plan.info["overhead_status"] == "optimal"
+    for name in ("approx_dp", "exact_dp", "chen_greedy"):
+        assert prediction.peak_bytes <= simulate(graph, solve(name, graph)).peak_bytes, name
+    assert simulate(graph, solve("optimal", graph, reference.peak_bytes, mode="mc")).peak_bytes == reference.peak_bytes
+    with pytest.raises(InfeasibleBudget, match=rf"optimal \(mc\): .* is {reference.peak_bytes} bytes"):
+        solve("optimal", graph, reference.peak_bytes - 1, mode="mc")
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -105,7 +100,7 @@ def test_no_plan_that_fits_has_the_kept_flags_the_search_excludes(graph, data):
         model.exclude(flags)
         for v, value in flags:
             model.model.Add(model.kept[v] == int(value))
-        assert cp_model.CpSolver().Solve(model.model) == cp_model.INFEASIBLE
+        assert solver_of(cp_model).Solve(model.model) == cp_model.INFEASIBLE
 
 
 def fixed(graph, plan, budget, holding=()):
@@ -114,7 +109,7 @@ def fixed(graph, plan, budget, holding=()):
     model = _Relaxation(cp_model, graph, budget, holding=holding)
     for var, value in model._assignment(plan):
         model.model.Add(var == int(value))
-    solver = cp_model.CpSolver()
+    solver = solver_of(cp_model)
     status = solver.Solve(model.model)
     fits = status == cp_model.OPTIMAL
     return fits, solver.ObjectiveValue() / model.scale if fits else None
@@ -154,7 +149,7 @@ def kept_fits(graph, kept, budget):
                         holding=[v for v in range(len(graph)) if graph.reached[v]])
     for v, k in enumerate(model.kept):
         model.model.Add(k == (kept >> v & 1))
-    return cp_model.CpSolver().Solve(model.model) == cp_model.OPTIMAL
+    return solver_of(cp_model).Solve(model.model) == cp_model.OPTIMAL
 
 
 def test_vgg19_s_least_budget_is_proven_optimal_at_approx_dp_s_plan():
@@ -264,8 +259,19 @@ def test_the_time_limit_holds_where_the_model_with_stages_takes_longer_to_build(
 
 def test_bad_input(monkeypatch):
     graph = Graph(mem_bytes=[4, 4, 4], cost=[1, 1, 1], edges=[(0, 1), (1, 2)])
-    with pytest.raises(ValueError, match="time_limit_s must be positive"):
-        solve("optimal", graph, time_limit_s=0)
+    for limit in (0, -1):
+        with pytest.raises(ValueError, match="time_limit_s must be positive"):
+            solve("optimal", graph, time_limit_s=limit)
+        with pytest.raises(ValueError, match="time_limit_s must be positive"):
+            solve("exact_dp", graph, time_limit_s=limit)
+    with pytest.raises(ValueError, match=r"unknown mode 'least'; valid modes: tc .*, mc"):
+        solve("optimal", graph, mode="least")
+    with pytest.raises(TypeError, match=r"chen_sqrt has no memory-centric mode; strategies with one: approx_dp, "
+                                        r"brute_force, exact_dp, optimal"):
+        solve("chen_sqrt", graph, mode="mc")
+    large = Graph(mem_bytes=[4] * 9, cost=[1] * 9, edges=[(v, v + 1) for v in range(8)])
+    with pytest.raises(ValueError, match=r"9 nodes is too large .* \(at most 8 nodes\); optimal searches"):
+        solve("brute_force", large)
     least = min(simulate(graph, plan).peak_bytes for plan in every_plan(graph))  # below approx_dp's least
     assert simulate(graph, solve("optimal", graph, least)).peak_bytes == least
     with pytest.raises(InfeasibleBudget, match=r"optimal \(approx_dp.s least plan fits \d+ bytes\): no plan"):

@@ -277,3 +277,22 @@ def test_a_plan_that_overshoots_its_budget_runs_again_within_it(monkeypatch, tmp
     row = max_batch.run_within("resnet50", "approx_dp", {"mode": "tc"}, 128, 10**10, "cuda", tmp_path / "old",
                                from_rows=True)
     assert row == stored and not max_batch.fits(row, 10**10)
+
+
+def test_table1_gives_every_step_peak_over_the_least_memory_and_whether_it_is_proven():
+    base = {"net": "vgg19", "batch_size": 64, "image_size": 224, "cost_model": "paper", "budget_bytes": None,
+            "total_cost": 100.0, "predicted_overhead_cost": 0.0, "device": "meta", "status": "ok", "compiled": False,
+            "device_name": "meta", "method": "meta-tracker", "torch_version": "2.x", "static_bytes": 1e9}
+    rows = pd.DataFrame([
+        {**base, "strategy": "vanilla", "options": {}, "timestamp": "1", "measured_peak_bytes": 9e9},
+        {**base, "strategy": "chen_sqrt", "options": {}, "timestamp": "2", "measured_peak_bytes": 5e9},
+        {**base, "strategy": "optimal", "options": {"mode": "mc"}, "timestamp": "3", "measured_peak_bytes": 3e9,
+         "plan_optimal_status": "timeout", "plan_gap": 0.25},
+    ])
+    table = table1(rows).set_index("strategy")
+    assert table.loc["chen_sqrt", "meta step vs least"] == 2.0  # (5 - 1) / (3 - 1): the static part left out
+    assert table.loc["vanilla", "meta step vs least"] == 4.0 and table.loc["optimal (mc)", "meta step vs least"] == 1.0
+    assert table.loc["optimal (mc)", "least proven"] == "gap 25%" and table.loc["chen_sqrt", "least proven"] == ""
+    rows.loc[2, "plan_optimal_status"] = "optimal"
+    assert table1(rows).set_index("strategy").loc["optimal (mc)", "least proven"] == "proven"
+    assert "meta step vs least" not in table1(rows[rows.strategy != "optimal"]).columns

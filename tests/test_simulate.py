@@ -1,5 +1,6 @@
 """Plans, the simulator and the registry, on graphs whose answers are worked out by hand."""
 
+import dataclasses
 import inspect
 from pathlib import Path
 
@@ -127,6 +128,9 @@ def test_every_strategy_has_its_config_and_the_contract():
         params = list(inspect.signature(module.solve).parameters.values())
         assert [p.name for p in params] == ["graph", "budget_bytes", "options"]
         assert params[2].kind is inspect.Parameter.KEYWORD_ONLY
+    with_mode = [name for name in strategies.available()
+                 if "mode" in {field.name for field in dataclasses.fields(strategies.module(name).Options)}]
+    assert with_mode == list(strategies.WITH_MEMORY_MODE)
 
 
 @pytest.mark.parametrize("name", strategies.available())

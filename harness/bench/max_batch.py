@@ -4,7 +4,8 @@ For every net and strategy, and each memory (``--memory 11.4GB,80GB``: Kusumoto 
 largest batch whose run fits: status ``ok`` and a measured peak within the memory. A strategy that can
 trade time for memory gets the memory as its budget (the time-centric DPs, the budget greedy, swap), less
 the device reserve a first run measured (``run_within``); the memory-centric DPs run at their minimal budget
-(Kusumoto et al. 2019, section 5.1), and the others as they are. The
+(Kusumoto et al. 2019, section 5.1), and so does the least memory (``optimal``, mode mc, 20 s a probe, proven or
+the best plan found), and the others as they are. The
 search starts from a guess (the paper's batch scaled by the memory left over, from a measured first run),
 gallops to a bracket and bisects; every probe is a real run whose row lands in ``--rows``, so a killed
 search resumes from the rows already there. Writes ``OUT_STEM.md`` and ``.csv``.
@@ -40,7 +41,7 @@ from harness.run import run_cell
 # (strategy, options), Kusumoto et al.'s columns first; options as the strategy configs give them.
 STRATEGIES = [("vanilla", {}), ("liveness_only", {}), ("chen_sqrt", {}), ("chen_greedy", {}),
               ("approx_dp", {"mode": "tc"}), ("approx_dp", {"mode": "mc"}), ("exact_dp", {"mode": "tc"}),
-              ("exact_dp", {"mode": "mc"}), ("swap", {})]
+              ("exact_dp", {"mode": "mc"}), ("swap", {}), ("optimal", {"mode": "mc", "time_limit_s": 20})]
 USES_DEVICE_BUDGET = {"chen_greedy", "swap"}
 
 

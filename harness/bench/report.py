@@ -97,7 +97,8 @@ def strategies_table(rows: pd.DataFrame) -> pd.DataFrame:
 
 # Kusumoto et al.'s columns, then ours; labels as ``results.label`` makes them.
 PAPER_ORDER = ("approx_dp (mc)", "approx_dp (tc)", "exact_dp (mc)", "exact_dp (tc)", "chen_sqrt", "vanilla",
-               "liveness_only", "chen_greedy", "swap")
+               "liveness_only", "chen_greedy", "swap", "optimal (mc)")
+LEAST = "optimal (mc)"  # the least memory any plan the executor runs reaches (strategies/optimal.py)
 
 
 def card(row) -> str:
@@ -165,6 +166,7 @@ def table1(rows: pd.DataFrame) -> pd.DataFrame:
     for net in _paper_net_order():
         labels = _ordered_labels({k: v for cells in by_device.values() for k, v in cells.items()}, net)
         vanilla = {device: _peak(cells.get((net, "vanilla"))) for device, cells in by_device.items()}
+        least = by_device.get("meta", {}).get((net, LEAST))
         for name in labels:
             any_row = next(cells[(net, name)] for cells in by_device.values() if (net, name) in cells)
             paper_gb, paper_vs = _paper_cell(TABLE1_GB.get(net, {}), (any_row.strategy, mode_of(any_row.options)))
@@ -179,10 +181,28 @@ def table1(rows: pd.DataFrame) -> pd.DataFrame:
                     line[f"{device} step ms"] = (row.step_time_ms if row is not None and row.status == "ok"
                                                  else float("nan"))
             line["overhead / forward"] = _ratio(any_row.get("predicted_overhead_cost"), any_row.total_cost)
+            if least is not None:  # on meta, the step's peak over the least's (the static part left out)
+                line["meta step vs least"] = _ratio(_step_peak(by_device["meta"].get((net, name))), _step_peak(least))
+                line["least proven"] = _least_status(least) if name == LEAST else ""
             out.append(line)
     table = pd.DataFrame(out)
     table.attrs["devices"] = "columns by device or card: " + _devices(by_device)
     return table
+
+
+def _step_peak(row) -> float | None:
+    """A measured row's peak less what is there before the step (parameters, buffers, the input batch), or None."""
+    if row is None or row.status != "ok" or pd.isna(row.get("static_bytes", float("nan"))):
+        return None
+    return row.measured_peak_bytes - row.static_bytes
+
+
+def _least_status(row) -> str:
+    """Whether the least memory's row is proven, or its gap to the bound."""
+    if row.get("plan_optimal_status") == "optimal":
+        return "proven"
+    gap = row.get("plan_gap")
+    return f"gap {100 * gap:.0f}%" if gap is not None and pd.notna(gap) else "not proven"
 
 
 def _devices(by_device: dict) -> str:
@@ -202,7 +222,7 @@ def table2(rows: pd.DataFrame) -> pd.DataFrame:
     own. The measured peak with liveness sits beside, for contrast. ``liveness_only`` and ``swap`` are left
     out: without liveness both are vanilla holding everything. The paper's own reductions in Table 2 are
     not against its vanilla column (3.2 GB is "-57%" of 9.4), so only its GB are printed."""
-    rows = rows[rows.strategy.isin({name.split(" ")[0] for name in PAPER_ORDER} - {"liveness_only", "swap"})]
+    rows = rows[rows.strategy.isin({name.split(" ")[0] for name in PAPER_ORDER} - {"liveness_only", "swap", "optimal"})]
     # The DPs' plans on Kusumoto et al.'s memory model (configs approx_dp_paper, ...), labelled as the paper's.
     paper_model = pd.Series([o.get("memory_model") == "paper" for o in rows.options], index=rows.index, dtype=bool)
     rows = rows[~rows.strategy.isin(["approx_dp", "exact_dp"]) | paper_model].copy()
