@@ -71,14 +71,14 @@ lower that peak are dropping a set of the chain up to that stage's end (merging 
 held through every later stage), splitting that stage at a principal lower set between its ends, and moving either
 of its ends to such a set (the ``MOVES`` sets whose boundaries keep the fewest bytes). The first move that lowers
 (peak, overhead) is taken, until none does. Stages after the peak's have ended their backward by then and are left
-alone. The principal lower sets are chains of both DPs' families, so the plan is always one of the DP's own; the
+alone. The principal lower sets are in both DPs' families, so the plan is always one of the DP's own; the
 exact DP also takes ``approx_dp``'s plan where it is better, so it never needs more than the approximate one. On
 the paper's seven nets at their sizes this reaches 1.04 GB on DenseNet-161 (equation (2)'s least plan: 1.14),
 3.04 on VGG-19 (3.66, above Chen et al.'s sqrt(n) plan's 3.56), and no more than Chen et al.'s greedy plan on
 any; a minimal solve replays some hundreds of plans (seconds on ResNet-152). Graphs of more than ``SEARCHED_NODES``
 (the Llamas) are not searched: their replays take tens of milliseconds each and their chains hundreds of stages,
-and the plan is the least replay among the starting plans, as it was before the search. It is a local search: how far
-each plan is from the least any plan reaches is what ``optimal`` in ``mode=mc`` answers (results/table1.md).
+and the plan is the least replay among the starting plans. It is a local search: how far each plan is from the least
+any plan reaches is what ``optimal`` in ``mode=mc`` answers (results/table1.md).
 
 The passes are compiled with numba (``dp_kernels.py``): sets are rows of 64-bit words there, and Python
 ints (bitsets) everywhere else. The two passes over every transition (least cache, backward) use every
