@@ -289,23 +289,23 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
     # The least replay; at equal peaks, tc's least overhead, mc's tightest equation (2) budget.
     minimal = min(scanned, key=lambda b: (replays[b].peak_bytes, replays[b].overhead_cost if mode == "tc" else b))
     plan, peak = scanned[minimal], replays[minimal].peak_bytes
+    # Kusumoto et al.'s count is another proxy, for the minimal plan; a budget the minimal plan so far meets is
+    # searched from that plan, which fits, and needs no other
+    paper = None
+    if (counted is not graph or graph.loss_bytes) and (budget_bytes is None or peak > budget_bytes):
+        paper = solve_family(graph, words, None, mode, strategy, memory_model="paper", check=check, deadline=deadline)
     if memory_model == "replay" and (budget_bytes is None or peak > budget_bytes):  # NOTE [the least replay]
         other = best_chain(table, least, "mc" if mode == "tc" else "tc", deadline)
         plans = [plan, *scanned.values(), Plan.from_chain(graph, [bitset(table.words[i]) for i in other],
                                                          strategy=strategy, budget_bytes=budget_bytes,
                                                          info={"memory_model": memory_model})]
-        if counted is not graph or graph.loss_bytes:  # Kusumoto et al.'s count is another proxy
-            paper = solve_family(graph, words, None, mode, strategy, memory_model="paper", check=check,
-                                 deadline=deadline)
+        if paper is not None:
             plans.append(dataclasses.replace(paper, budget_bytes=budget_bytes, info={"memory_model": memory_model}))
         plan, peak = _least_replay(graph, plans, replay, budget_bytes, mode, deadline, starts)
         if budget_bytes is not None and peak > budget_bytes:  # the minimum reported: a budget at or above it is met
             raise InfeasibleBudget(budget_bytes, peak, strategy)
         return plan
-    # Kusumoto et al.'s count is another proxy, for the minimal plan; a budget the minimal plan so far meets is
-    # searched from that plan, which fits, and needs no other
-    if (counted is not graph or graph.loss_bytes) and (budget_bytes is None or peak > budget_bytes):
-        paper = solve_family(graph, words, None, mode, strategy, memory_model="paper", check=check, deadline=deadline)
+    if paper is not None:
         paper_peak = simulate(graph, paper).peak_bytes
         if paper_peak < peak:
             paper.info.update(memory_model="traced", minimal_plan_from="paper")

@@ -14,7 +14,6 @@ resumes from them.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import time
 from pathlib import Path
@@ -190,7 +189,7 @@ def main(argv=None) -> None:
     table = best_known(run(names, args.out, args.time_limit))
     table.to_csv(args.out.with_suffix(".csv"), index=False)
     command = command_of("optimality", argv)
-    header = (f"{made_by(command)}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores. Overheads "
+    header = (f"{made_by(command)}, {platform.processor() or platform.machine()}. Overheads "
               "are predicted by the replay, in cost units; each strategy's is a ratio to `best`, the least overhead "
               "of a plan the executor runs within the budget: `optimal`'s (searched for "
               f"{args.time_limit:g} s; the optimum where its status is `optimal`, gap 0) or a DP's or Chen's where "
