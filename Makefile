@@ -15,7 +15,7 @@ $(KERNELS): strategies/dp_kernels.py strategies/compile_kernels.py $(VENV)/.inst
 	touch $@
 
 # The packages a GPU node without a registry lacks beside its torch, torchvision, timm, numba, pandas,
-# matplotlib and nvidia-ml-py (README: a GPU node without a registry), as wheels for Python 3.12 on x86-64.
+# matplotlib and nvidia-ml-py (configs/README.md: a GPU node without a registry), as wheels for Python 3.12 on x86-64.
 WHEELS := .whl
 $(WHEELS)/.ready:
 	python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

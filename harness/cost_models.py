@@ -12,7 +12,7 @@ Kusumoto et al. 2019 weighs a convolution as 10 and any other layer as 1 (``cost
 BatchNorm or a ReLU as nearly free, though on a GPU they take memory bandwidth and, eagerly, a launch each.
 ``cost_model=measured`` gives each IR node the time its members take to run, in milliseconds, on the
 device the cell runs on: the traced program runs under ``torch.no_grad`` (as a recomputation does,
-``harness/execute.py``), each fx node timed alone (on CUDA between synchronisations, so its launches
+``harness/execute/``), each fx node timed alone (on CUDA between synchronisations, so its launches
 count, as they do in an eager recomputation), the median of three runs after a warm-up. The timing runs
 leave the model as they found it: every buffer written (running statistics) is put back, by tensor and
 value, and so is every generator the program draws from. What the time-centric DPs then minimise, and

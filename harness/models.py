@@ -108,6 +108,10 @@ def _timm(name: str, kwargs: dict) -> dict:
     return {"build_model": build, "batch_size": DEFAULT_BATCH, "image_size": side}
 
 
+class NotAModel(TypeError):
+    """A model's factory returned no ``nn.Module``: bad input, refused with no row written (``run_cell``)."""
+
+
 def _module(target: str, kwargs: dict) -> dict:
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
@@ -120,7 +124,7 @@ def _module(target: str, kwargs: dict) -> dict:
     def build():
         model = factory(**kwargs)
         if not isinstance(model, nn.Module):
-            raise TypeError(f"module model {target!r}: the factory returned a {type(model).__name__}, not an "
+            raise NotAModel(f"module model {target!r}: the factory returned a {type(model).__name__}, not an "
                             "nn.Module")
         return model
 

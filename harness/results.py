@@ -70,8 +70,6 @@ def mode_of(options: dict) -> str:
     mode = mode or ("every 2nd mm" if options.get("every_second_mm") else "")
     if options.get("memory_model") == "paper":
         return f"{mode}, paper model" if mode else "paper model"
-    if options.get("memory_model") == "replay":
-        return f"{mode}, searched" if mode else "searched"
     return mode
 
 

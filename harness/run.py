@@ -29,6 +29,7 @@ from harness.budget import parse_budget
 from harness.compiled import plan_step as compiled_plan_step
 from harness.execute import execute
 from harness.measure import check_device, measure
+from harness.models import NotAModel
 from harness.plans import save_plan
 from harness.results import SCHEMA_VERSION, cell_name, read_row, write_row
 from harness.cost_models import check_cost_model
@@ -84,6 +85,8 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
         row.update(status="timeout", error=str(error))
     except torch.cuda.OutOfMemoryError as error:
         row.update(status="oom", error=str(error).splitlines()[0])
+    except NotAModel:  # bad input, found only once the factory has run: no row
+        raise
     except Exception as error:  # recorded as an error row, so that a sweep goes on
         row.update(status="error", error=f"{type(error).__name__}: {error}")
         log.error("%s", traceback.format_exc())
@@ -301,7 +304,7 @@ def check_compilable(plan) -> None:
     if plan.swapped:
         raise strategies.Inapplicable(
             f"{plan.strategy} under compile=true: its copies to host memory are made by saved-tensor hooks "
-            "(NOTE [swapping] in harness/execute.py), which compiled code never runs; run it with compile=false")
+            "(NOTE [swapping] in harness/execute/swap.py), which compiled code never runs; run it with compile=false")
 
 
 def _measured(measured) -> dict:

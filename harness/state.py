@@ -1,7 +1,7 @@
 """The program's state a step must leave as plain PyTorch leaves it: the random generators it draws from and
-the buffers its layers write. The executor (``harness/execute.py``), the compiled step (``harness/compiled.py``)
+the buffers its layers write. The executor (``harness/execute/``), the compiled step (``harness/compiled.py``)
 and the measured cost model take, compare and put back both through these (NOTE [replaying side effects] in
-``harness/execute.py``); the tracer marks which calls draw and which write."""
+``harness/execute/side_effects.py``); the tracer marks which calls draw and which write."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def written_state(module: torch.nn.Module, node: fx.Node, args, kwargs, buffer_i
                   written: dict[int, torch.Tensor] | None = None,
                   submodule: torch.nn.Module | None = None) -> list[torch.Tensor]:
     """The state a call of ``node`` may write, or read before a later node writes it, which a recomputation
-    starts from as the forward call found it (NOTE [replaying side effects] in ``harness/execute.py``): its
+    starts from as the forward call found it (NOTE [replaying side effects] in ``harness/execute/side_effects.py``): its
     module's buffers (``submodule``: that module, when the caller has it at hand), for a module call; the
     buffers among its inputs (ids in ``buffer_ids``); and the buffers a node of their own writes (``written``:
     storage id -> buffer) that it reads, through a view too."""

@@ -37,7 +37,7 @@ so is a write of several tensors, or of one that no call returned whole (a part 
 clone is the value's last reader, the value goes before the write saves anything (a ``clamp_``'s copy of
 its input, a dropout's mask): the probe notes an IR node whose calls save all its extras after their last
 read of another node's value (``Graph.extras_after_reads``), and the replay makes those extras after the
-values that go at the node have gone (``_call`` in ``strategies/replay.py``; made beside the value, they
+values that go at the node have gone (``_call`` in ``strategies/replay_steps.py``; made beside the value, they
 put two plans of 32 tried 7% and 9% above their measured peak; no zoo net has such a node).
 """
 

@@ -36,7 +36,7 @@ class Traced:
     @functools.cached_property
     def layouts(self) -> dict:
         """What the executor derives from this trace and a plan, by plan, made at the plan's first step
-        (``_layout`` in ``harness/execute.py``); it goes with the trace."""
+        (``_layout`` in ``harness/execute/layout.py``); it goes with the trace."""
         return {}
 
     @property

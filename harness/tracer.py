@@ -15,7 +15,7 @@ wrote, joining that value's IR node as ``relu_`` would (after another layer read
 
 Written in place, ``bn3``'s output, ``+= identity`` and the ReLU are one IR node, and the downsampling
 branch the block computes between ``bn3`` and the addition sits between its members. Two things follow:
-- the executor runs ``bn3`` just before the addition (``_delayed`` in ``harness/execute.py``), so that
+- the executor runs ``bn3`` just before the addition (``_delayed`` in ``harness/execute/layout.py``), so that
   the IR node's autograd nodes are made together and its backward is not split by the branch's;
 - its backward starts with the in-place members, which hand the branch its gradient (the ReLU's, passed
   on by the addition) before the batch norm's backward reads its input: ``Graph.early_grads``, which the
@@ -100,7 +100,7 @@ one noise for every step, under every plan, vanilla included. So while fx traces
 value that draws random numbers (ATen's ``nondeterministic_seeded`` tag, as ``random_nodes`` uses) is
 recorded as a node, and the generators it drew from are put back: the trace draws nothing. The executor
 replays such a node like any draw, from the default generators or from the model's own (NOTE [replaying
-side effects] in ``harness/execute.py``). A tensor the program makes without naming a device is made on
+side effects] in ``harness/execute/side_effects.py``). A tensor the program makes without naming a device is made on
 the default device, which the meta runs (the trace's, ``measure``'s, the compiled replay's, and a
 recomputation on autograd's thread) set to meta: a cpu model's noise would otherwise meet meta values. A
 draw whose value steers Python control flow (``if torch.rand(1) < p``) now fails to trace as data-dependent
@@ -121,11 +121,11 @@ outside the IR, which the executor runs with its latest input. Three orders matt
 - a write to a buffer that IR nodes read before it (MoCo's queue: the logits read a copy of it, then the
   batch's keys are written in) runs after them in every stage order (``Traced.state_order``), and their
   recomputations start from the buffer as their forward calls found it, through a view too
-  (``Traced.written_buffers``; NOTE [replaying side effects] in ``harness/execute.py``);
+  (``Traced.written_buffers``; NOTE [replaying side effects] in ``harness/execute/side_effects.py``);
 - a write to an input or a parameter after another IR node has read it is refused, naming both: the
   copies a recomputation starts from are the buffers'.
 A layer that reads and writes its own state in one call (BatchNorm's running statistics) is replayed as
-NOTE [replaying side effects] in ``harness/execute.py`` says.
+NOTE [replaying side effects] in ``harness/execute/side_effects.py`` says.
 """
 
 from __future__ import annotations

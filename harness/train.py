@@ -7,7 +7,7 @@ file] in ``harness/plans.py``), and returns a ``PlannedStep``. The model stays t
 the compiled module share its parameters and buffers, so the user's optimizer, scheduler, ``state_dict`` and
 checkpoints work unchanged.
 - Eager: ``step(inputs, *targets)`` runs the forward and the backward under the plan (the executor, NOTE
-  [executing a plan] in ``harness/execute.py``) and returns the detached loss. Gradients accumulate into ``.grad``
+  [executing a plan] in ``harness/execute/step.py``) and returns the detached loss. Gradients accumulate into ``.grad``
   as ``loss.backward()`` does, so several calls before ``optimizer.step()`` accumulate micro-batches.
 - Compiled: ``step.module`` (the traced program with the plan's marks) under ``torch.compile(step.module,
   backend=step.backend)``, in the user's own compiled step: the partitioner is told the plan, op by op (NOTE
@@ -127,7 +127,7 @@ class CheckpointedStages(torch.nn.Module):
 
     NOTE [a plan as checkpoint regions]
     The traced program is run stage by stage, in the executor's forward order (``stage_keys`` in
-    ``harness/execute.py``: a chain of lower sets, so each stage reads only values of itself and of earlier
+    ``harness/execute/``: a chain of lower sets, so each stage reads only values of itself and of earlier
     stages; random draws and state writes in the program's order). A stage that discards a value runs as one
     non-reentrant ``checkpoint`` region, whose outputs are the values later stages read; its selective
     checkpointing policy (``context_fn``) saves every op of the calls of the stage's kept nodes (their outputs
@@ -145,7 +145,7 @@ class CheckpointedStages(torch.nn.Module):
     def __init__(self, traced, plan, example_input: torch.Tensor):
         super().__init__()
         self.program = traced.module
-        # The executor's forward order (harness/execute.py): stage by stage, draws and state writes in the
+        # The executor's forward order (harness/execute/layout.py): stage by stage, draws and state writes in the
         # program's order, a call of no IR node with its latest input, a view that reads a shape made in a later
         # stage (U-Net's crops) with that stage; each call runs in the region of the stage it runs in there.
         keys = stage_keys(traced, plan, plan.stage_of(len(traced.graph)))

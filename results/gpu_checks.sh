@@ -3,7 +3,7 @@
 # claim, the largest batches in 80 GB, the memory/time frontier, the cost models' plans and the compile peer's
 # ratios on cuda, a profile of eager recomputation, and the gpu tests. Run from the repository root there,
 # `bash results/gpu_checks.sh [STAGE...]`, with the
-# wheels of hydra-core, omegaconf, antlr4-python3-runtime and segmentation-models-pytorch in .whl/ (README, "A
+# wheels of hydra-core, omegaconf, antlr4-python3-runtime and segmentation-models-pytorch in .whl/ (configs/README.md, "A
 # GPU node that reaches no package registry"). The stages, in this order (all of them when none is named):
 #   profile    where eager recomputation's time goes (harness.bench.profile_step): ResNet-152 at batch 128,
 #              approx_dp (tc) at 6.0 GB (with its Chrome trace, gzipped), chen_sqrt and vanilla, eager (on the

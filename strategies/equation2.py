@@ -33,9 +33,7 @@ def equation_2_peak(graph: Graph, plan: Plan) -> int:
     return peak
 
 
-# replay: the traced count, with the least plan searched for in the replay itself (NOTE [the least replay] in
-# lower_set_dp.py)
-MEMORY_MODELS = ("traced", "paper", "replay")
+MEMORY_MODELS = ("traced", "paper")
 
 
 def dp_peak(graph: Graph, plan: Plan) -> int:
@@ -50,7 +48,7 @@ def dp_view(graph: Graph, memory_model: str) -> Graph:
     besides node values, and the loss's working set in the last stage."""
     if memory_model == "paper":
         return graph.replace(loss_bytes=0) if graph.loss_bytes else graph
-    if memory_model in ("traced", "replay"):
+    if memory_model == "traced":
         if not any(graph.saved_extra_bytes):
             return graph
         return graph.replace(mem_bytes=[m + e for m, e in zip(graph.mem_bytes, graph.saved_extra_bytes)])

@@ -106,11 +106,11 @@ class Graph:
     beside the gradient it received and those it hands on; zero on hand-written graphs.
     ``recompute_state_bytes[v]`` is the state ``v``'s layer calls may write (BatchNorm's running statistics),
     of which a recomputed ``v`` keeps a copy, as its forward found it, to the end of its recomputation
-    (``harness/execute.py``, NOTE [replaying side effects]); zero on hand-written graphs.
+    (``harness/execute/side_effects.py``, NOTE [replaying side effects]); zero on hand-written graphs.
     ``backward_peak_bytes[v]`` is the most the backward of ``v``'s layer holds above what was live as it
     began: the gradients it makes less what it frees on the way (its saved extras, as each of its autograd
     nodes finishes, and the gradient it received), forward values aside; measured in a plain step on a
-    traced graph, None on hand-written ones (NOTE [a layer's backward peak] in ``strategies/replay.py``).
+    traced graph, None on hand-written ones (NOTE [a layer's backward peak] in ``strategies/replay_steps.py``).
     ``backward_frees[v]`` is ``(values, peak)``: the nodes whose values the backward of ``v``'s layer freed
     as it ran, in that plain step (a parametrized layer's saved input goes when its convolution's backward
     is done, before the backward of the weight's normalisation), and the most it held above what was live

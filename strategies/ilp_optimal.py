@@ -43,7 +43,8 @@ from strategies import approx_dp, schedule
 from strategies.graph import Graph
 from strategies.plan import Inapplicable, InfeasibleBudget, Plan, SolverTimeout
 from strategies.equation2 import MEMORY_MODELS, dp_view
-from strategies.replay import peak_of, schedule_timeline
+from strategies.replay import peak_of
+from strategies.schedule_replay import schedule_timeline
 from strategies.simulate import simulate
 
 BUDGET_LIVENESS = True  # memory_model=traced (NOTE [judging the ILP's budget])

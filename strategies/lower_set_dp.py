@@ -55,30 +55,33 @@ loosest plan that fits, by steps of the room its replay leaves under the budget,
 halving down from one stage's budget spent 13 replays on DenseNet-161 at 1.05x its minimum, most of them
 gigabytes over, where this takes 7, for the same plan. Nearby budgets often give one plan: each plan is
 replayed once.
+In ``mode=mc`` the least plan is searched for in the replay itself (NOTE [the least replay]), from the plans above,
+and a budget below equation (2)'s least plan's replay gets the first plan that search finds within it. tc takes the
+budget as equation (2)'s plans meet it: its minimum is their least replay (``mode=mc`` reaches lower).
 Under ``memory_model=paper`` the budget is equation (2)'s, as Kusumoto et al. 2019 ran it (Table 2): the paper's DP,
-kept as it was for the reproduction. Under ``memory_model=replay`` the least plan is searched for in the replay
-itself (NOTE [the least replay]), and a budget below equation (2)'s least plan's replay gets the first plan that
-search finds within it (tc then spends up to ``FITTING_REPLAYS`` more replays splitting stages to recompute less).
+kept as it was for the reproduction.
 
 NOTE [the least replay]
 Equation (2) is a poor proxy for the replay where stages are large: ResNet-152's greedy plan of 13 stages is 2.74 GB
 by equation (2) and peaks at 1.47 GB in the replay, while equation (2)'s least plan, of 37 stages, peaks at 1.82 GB
-(its kept values, held through every later stage, are what the replay's peak is made of). Under
-``memory_model=replay`` the least plan is searched for in the replay itself, from the plans at equation (2)'s
-minimum (both objectives, both counts, and every scanned plan), by moves on chains of lower sets, each move judged
-by replaying its plan: from a chain, the replay names the stage in whose backward the step peaks; the moves that may
-lower that peak are dropping a set of the chain up to that stage's end (merging two stages: a value kept fewer,
-held through every later stage), splitting that stage at a principal lower set between its ends, and moving either
-of its ends to such a set (the ``MOVES`` sets whose boundaries keep the fewest bytes). The first move that lowers
-(peak, overhead) is taken, until none does. Stages after the peak's have ended their backward by then and are left
-alone. The principal lower sets are in both DPs' families, so the plan is always one of the DP's own; the
-exact DP also takes ``approx_dp``'s plan where it is better, so it never needs more than the approximate one. On
-the paper's seven nets at their sizes this reaches 1.04 GB on DenseNet-161 (equation (2)'s least plan: 1.14),
-3.04 on VGG-19 (3.66, above Chen et al.'s sqrt(n) plan's 3.56), and no more than Chen et al.'s greedy plan on
-any; a minimal solve replays some hundreds of plans (seconds on ResNet-152). Graphs of more than ``SEARCHED_NODES``
-(the Llamas) are not searched: their replays take tens of milliseconds each and their chains hundreds of stages,
-and the plan is the least replay among the starting plans. It is a local search: how far each plan is from the least
-any plan reaches is what ``optimal`` in ``mode=mc`` answers (results/table1.md).
+(its kept values, held through every later stage, are what the replay's peak is made of). So ``mode=mc`` searches
+for its least plan in the replay itself, from the plans at equation (2)'s minimum (both objectives, both counts,
+and every scanned plan), by moves on chains of lower sets, each move judged by replaying its plan: from a chain, the
+replay names the stage in whose backward the step peaks; the moves that may lower that peak are dropping a set of
+the chain up to that stage's end (merging two stages: a value kept fewer, held through every later stage),
+splitting that stage at a principal lower set between its ends, and moving either of its ends to such a set (the
+``MOVES`` sets whose boundaries keep the fewest bytes). The first move that lowers (peak, overhead) is taken, until
+none does; within a budget, the search stops at the first plan that fits. Stages after the peak's have ended their
+backward by then and are left alone. The principal lower sets are in both DPs' families, so the plan is always one
+of the DP's own; the exact DP also takes ``approx_dp``'s plan where it is better, so it never needs more than the
+approximate one. On the paper's seven nets at their sizes this reaches the least peak ``optimal`` (``mode=mc``)
+finds on every net (results/table1.md), and never more than Chen et al.'s plans; a minimal solve replays some
+hundreds of plans (seconds on ResNet-152), a budgeted one stops at the first that fits. Graphs of more than
+``SEARCHED_NODES`` (the Llamas) are not searched: their replays take tens of milliseconds each and their chains
+hundreds of stages, and the plan is the least replay among the starting plans. It is a local search: how far each
+plan is from the least any plan reaches is what ``optimal`` in ``mode=mc`` answers. tc is not searched: at a budget
+below equation (2)'s plans its moves would trade recomputation for memory plan by plan, a replay each (seconds where
+the DP's passes take a tenth of one), and ``mode=mc`` answers that budget already.
 
 The passes are compiled with numba (``dp_kernels.py``): sets are rows of 64-bit words there, and Python
 ints (bitsets) everywhere else. The two passes over every transition (least cache, backward) use every
@@ -243,8 +246,8 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
     budget]); ``None`` means the minimal budget. ``upper_bytes``, a budget known to be feasible (equation
     (2)), prunes the search for the minimal one. ``check``, called before each pass over the family, may
     stop the search (``exact_dp``'s time limit), and a pass stops past ``deadline``, raising ``TimeoutError``.
-    Under ``memory_model=replay`` the least plan is searched for in the replay (NOTE [the least replay]); ``starts``,
-    called only then: plans of chains of the family (``exact_dp``: ``approx_dp``'s) that it is chosen among too."""
+    In mode mc the least plan is searched for in the replay (NOTE [the least replay]); ``starts``, called only then:
+    plans of chains of the family (``exact_dp``: ``approx_dp``'s) that it is chosen among too."""
     if mode not in MODES:
         raise ValueError(f"{strategy}: unknown mode {mode!r}; valid modes: tc (time-centric, least overhead), "
                          "mc (memory-centric, most overhead)")
@@ -294,14 +297,15 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
     paper = None
     if (counted is not graph or graph.loss_bytes) and (budget_bytes is None or peak > budget_bytes):
         paper = solve_family(graph, words, None, mode, strategy, memory_model="paper", check=check, deadline=deadline)
-    if memory_model == "replay" and (budget_bytes is None or peak > budget_bytes):  # NOTE [the least replay]
-        other = best_chain(table, least, "mc" if mode == "tc" else "tc", deadline)
+    if mode == "mc" and memory_model == "traced" and (budget_bytes is None or peak > budget_bytes):
+        # NOTE [the least replay]
+        other = best_chain(table, least, "tc", deadline)
         plans = [plan, *scanned.values(), Plan.from_chain(graph, [bitset(table.words[i]) for i in other],
                                                          strategy=strategy, budget_bytes=budget_bytes,
                                                          info={"memory_model": memory_model})]
         if paper is not None:
             plans.append(dataclasses.replace(paper, budget_bytes=budget_bytes, info={"memory_model": memory_model}))
-        plan, peak = _least_replay(graph, plans, replay, budget_bytes, mode, deadline, starts)
+        plan, peak = _least_replay(graph, plans, replay, budget_bytes, deadline, starts)
         if budget_bytes is not None and peak > budget_bytes:  # the minimum reported: a budget at or above it is met
             raise InfeasibleBudget(budget_bytes, peak, strategy)
         return plan
@@ -317,12 +321,11 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
     return _within(plan_within, replay, scanned, replays, budget_bytes, mode, top) or plan
 
 
-def _least_replay(graph: Graph, plans: list[Plan], replay, budget_bytes: int | None, mode: str, deadline: float,
+def _least_replay(graph: Graph, plans: list[Plan], replay, budget_bytes: int | None, deadline: float,
                   starts) -> tuple[Plan, int]:
     """The best plan a search of moves (``_moves``) finds from each of ``plans``, or among ``starts()``, and its peak
     (NOTE [the least replay]): with no budget, the least replay, then the least overhead; within ``budget_bytes``,
-    the least replay over it, then for tc the least overhead (mc stops at the first plan that fits). Past
-    ``deadline`` it raises ``TimeoutError``."""
+    the first plan found that fits, or the least replay over it. Past ``deadline`` it raises ``TimeoutError``."""
     principal = sorted(set(graph.ancestor_mask))
     cut_bytes = {lower: sum(graph.mem_bytes[v] for v in members(graph.boundary(lower))) for lower in principal}
 
@@ -330,28 +333,20 @@ def _least_replay(graph: Graph, plans: list[Plan], replay, budget_bytes: int | N
         prediction = replay(plan)
         if budget_bytes is None:
             return prediction.peak_bytes, prediction.overhead_cost
-        over = max(0, prediction.peak_bytes - budget_bytes)
-        return over, prediction.overhead_cost if mode == "tc" else 0, prediction.peak_bytes
+        return max(0, prediction.peak_bytes - budget_bytes), prediction.peak_bytes
 
     best, searched = None, set()
     for plan in sorted(plans, key=score):
-        if (plan.stages, plan.kept) in searched or budget_bytes is not None and best is not None and best[0][0] == 0:
+        if (plan.stages, plan.kept) in searched or best is not None and best[0][0] == 0 and budget_bytes is not None:
             continue
         searched.add((plan.stages, plan.kept))
         chain, here = plan.lower_sets(), score(plan)
-        replays_left = FITTING_REPLAYS
-        while len(graph) <= SEARCHED_NODES and (budget_bytes is None or here[0] > 0 or mode == "tc"):
+        while len(graph) <= SEARCHED_NODES and (budget_bytes is None or here[0] > 0):
             if time.perf_counter() > deadline:
                 raise TimeoutError("the search for the least replay ran past its deadline")
             v = peak_layer(timeline(graph, plan))
             at = next(i for i, lower in enumerate(chain) if lower >> v & 1) if v is not None else len(chain) - 1
-            fits = budget_bytes is not None and here[0] == 0
-            if fits and replays_left <= 0:
-                break
-            stage_cost = [sum(graph.cost[u] for u in members(stage & plan.recomputed)) for stage in plan.stages
-                          ] if fits else []
-            for candidate in _moves(chain, at, principal, cut_bytes, fits, stage_cost):
-                replays_left -= fits
+            for candidate in _moves(chain, at, principal, cut_bytes):
                 moved = Plan.from_chain(graph, candidate, strategy=plan.strategy, budget_bytes=plan.budget_bytes,
                                         info=dict(plan.info))
                 if score(moved) < here:
@@ -367,27 +362,19 @@ def _least_replay(graph: Graph, plans: list[Plan], replay, budget_bytes: int | N
     return best[1], replay(best[1]).peak_bytes
 
 
-def _moves(chain: list[int], at: int, sets: list[int], cut_bytes: dict[int, int], fits: bool,
-           stage_cost: list[float] = ()):
+def _moves(chain: list[int], at: int, sets: list[int], cut_bytes: dict[int, int]):
     """The chains one move from ``chain`` (lower sets, V last) that may lower the peak in stage ``at``'s backward:
     each set of the chain up to that stage's end dropped (two stages merged, a kept value fewer), the first first;
     then the stage split at a set of ``sets`` between its ends; then each of its ends moved to such a set. Stages
     after it have ended their backward by then: merging them lowers neither the peak nor the recomputation. The sets
-    a stage may be split or ended at are the ``MOVES`` whose boundaries keep the fewest bytes (``cut_bytes``).
-    Where the plan ``fits`` its budget, first each stage split at such a set, which recomputes less, the stages that
-    recompute the most (``stage_cost``) first."""
+    a stage may be split or ended at are the ``MOVES`` whose boundaries keep the fewest bytes (``cut_bytes``)."""
 
     def between(low: int, high: int, *besides: int) -> list[int]:
         inside = [lower for lower in sets if lower & low == low and not lower & ~high and lower not in besides]
         return sorted(inside, key=lambda lower: (cut_bytes[lower], lower))[:MOVES]
 
-    for i in sorted(range(len(chain)), key=lambda i: -stage_cost[i]) if fits else ():
-        low, high = chain[i - 1] if i else 0, chain[i]
-        for lower in between(low, high, low, high)[:1]:
-            yield chain[:i] + [lower] + chain[i:]
     for j in range(min(at + 1, len(chain) - 1)):
         yield chain[:j] + chain[j + 1:]
-
     low, high = chain[at - 1] if at else 0, chain[at]
     for lower in between(low, high, low, high):
         yield chain[:at] + [lower] + chain[at:]
@@ -402,7 +389,6 @@ def _moves(chain: list[int], at: int, sets: list[int], cut_bytes: dict[int, int]
 # equation (2) plan's 280 stages make hundreds of moves a step (210 s for one minimal solve); above it, the plan of
 # least replay among the starting plans.
 SEARCHED_NODES = 500
-FITTING_REPLAYS = 64  # the most plans tc replays to recompute less once a plan fits its budget
 MOVES = 8  # the sets a move may split a stage or end it at, those whose boundaries keep the fewest bytes first
 SCAN = 32  # the most DP passes spent looking for a plan of lower replay than equation (2)'s minimal one
 SMALL = 64  # the most lower sets in a family for that search: its passes then take milliseconds

@@ -76,7 +76,7 @@ NOTE [the least memory]
 ``mode=mc`` asks for the least peak any plan the executor runs reaches, in the replay's accounting, and then for the
 least recomputation at that peak. The same relaxation serves, with the budget a variable, the peak, that every
 moment stays under and the solver minimises: its optimum is a lower bound on the least peak. The search starts from
-the lowest-peaked of the DPs' memory-centric plans searched in the replay (``memory_model=replay``) and Chen et
+the lowest-peaked of the DPs' memory-centric plans (searched in the replay: NOTE [the least replay]) and Chen et
 al.'s greedy plan (the DPs given an eighth of the time
 each), and asks only for plans under the best peak so far, so each bound and cut stays valid as that peak falls:
 - kept sets first: the kept set of least relaxed peak is tried with its finest stages; where those do not beat the
@@ -342,9 +342,8 @@ def _dp_seeds(graph: Graph, budget_bytes: int | None, time_limit_s: float,
     """The DPs' plans at the budget (``exact_dp`` within ``time_limit_s``), and the least budget a DP reported
     where none fits."""
     plans, least_known = [], None
-    memory_model = "replay" if mode == "mc" else "traced"  # the least memory: the DPs' search of the replay
-    for dp, options in ((approx_dp, approx_dp.Options(mode=mode, memory_model=memory_model)),
-                        (exact_dp, exact_dp.Options(mode=mode, memory_model=memory_model, time_limit_s=time_limit_s))):
+    for dp, options in ((approx_dp, approx_dp.Options(mode=mode)),
+                        (exact_dp, exact_dp.Options(mode=mode, time_limit_s=time_limit_s))):
         try:
             plans.append(dp.solve(graph, budget_bytes, options=options))
         except InfeasibleBudget as error:

@@ -16,34 +16,6 @@ DenseNet-161's last layers 40 of ``chen_greedy``'s 1951. The replay here, ``sche
 overhead in cost units count the same computations. A checkpointed stage is ``torch.utils.checkpoint``'s,
 which reruns the block up to where its early stop stops it (NOTE [a checkpointed stage]).
 
-NOTE [a layer's backward peak]
-The replay runs a layer's backward as one step: it makes the layer's gradients while it still holds
-everything the layer saved and its working gradients. A layer of one autograd node (a convolution) does
-just that. A layer of many (an attention: projections, two matmuls, a softmax, in one module) does not:
-each node frees what it saved as it finishes, and the last gradients come when most of the saved tensors
-are gone (ViT-B/16's attention holds 629 MB of saved tensors at batch 64; held to the end, the replay
-over-predicted the DPs' plans by 7%). ``Graph.backward_peak_bytes[v]``, measured per layer in a plain
-step on meta when the graph is traced, is the most the layer's backward holds above what was live as it
-began, forward values aside. The replay's step carries an entry, ``measured``, that brings it to the
-measured peak and goes with the step: negative where the step holds more than that, positive where the
-layer holds what the replay does not see, a temporary inside one autograd node (a product with a broadcast
-scalar makes the whole product before it sums it down to the scalar's gradient: without it the replay
-missed such a layer's vanilla step by 24%, ``tests/test_accounting.py``). Forward values count as held
-to the step's end; but a layer's backward may free one on the way, before its peak: a spectrally
-normalised convolution frees its saved input when its own backward is done, and the backward of the
-weight's normalisation comes after (held, the input put an SN-GAN discriminator's replay 1.4% above the
-tracker). So the trace also notes the values each layer's backward freed and its peak with them going as
-they went (``Graph.backward_frees``), and a step that releases all of them takes that peak. The layer's
-working gradients never count for more than that peak either (``_working``), and they come before the
-layer's recomputation only when in-place members make them, reading the layer's own value (a ReLU after a
-convolution); an attention makes them after it reads what it saved, that is after its recomputation. On
-the seven CNNs no step changes; on the transformers the replay now gives the tracker's peak to the byte.
-A layer's backward may also run a while before it unpacks the tensor that calls for its recomputation: a
-weight-normalised linear layer's product makes its weight's gradient, then the normalisation's backward
-unpacks its norms. The recomputation runs on top of what the layer holds by then, which the trace notes at
-the first unpack of each value (``Graph.unpack_held_bytes``; an ``unpacking`` entry held over the
-recomputation). Replayed at the start of the layer's backward, such a net was predicted 2% low.
-
 NOTE [a checkpointed stage]
 The PyTorch peers run ``torch.utils.checkpoint(use_reentrant=False)`` around blocks, and their plans mark
 those stages ``Plan.checkpointed``. Such a stage differs from the executor's in three ways, each seen in
@@ -72,108 +44,22 @@ the cache, and so the value, lives as long as the frame (a Llama layer's last pr
 the residual addition reads and no backward does: 32 MiB held through the layer's backward at sequence
 4096, batch 1).
 
-NOTE [a schedule's replay]
-``schedule_timeline`` counts a Checkmate schedule with the figures the stage replay counts: stage t
-computes its row in node order; a value goes after the last reader of its stage unless the next stage
-holds it; what a layer saves besides its value comes with the computation of the value last before its
-backward (the one autograd records; the others run as the executor's discarded forward does), and a
-value computed again holds the state its first computation found, from then to its last computation (a
-computation between takes a copy of its own); the turn to the backward pass brings the loss's
-buffers and the outputs' gradients (the loss reads the outputs at once: ``loss_reads_outputs=False``);
-a backward node runs as ``_backward`` runs it (``_Gradients``; in-place members first, as soon as the
-value they read is here, before the stage's other recomputations). A gradient is computed once. On a
-stage plan written as a schedule (``schedule.from_plan``) whose stages follow node order, it gives the
-stage replay's peak to the byte (tests/test_accounting.py); Checkmate's own count misses it by -22% to
-+75% on the zoo. A layer no gradient reaches runs no backward; what it saved stays to the loss's forward
-where its record is its first computation, and its extras come and go with any other (NOTE [what no
-gradient reaches] in ``harness/backward_profile.py``). A schedule cannot tell a value a stage plan discards but never
-recomputes (its stage is not recomputed, or what is is made without it: NOTE [what a recomputation makes])
-from a kept one, and holds what such a layer saved of it: above the stage replay, never below, unless it is
-told which values the plan discards (``discarded``).
+The parts both this replay and a schedule's (``schedule_replay.py``) make a step of are in ``replay_steps.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from enum import Enum
 
-from strategies import schedule
 from strategies.graph import Graph, bits, members
 from strategies.plan import Plan
+from strategies.replay_steps import (Buffer, Phase, Step, _Gradients, _after_members, _attribute_again, _call, _end,
+                                     _held_at_unpack, _in_place_first, _key, _to_measured_peak, _transient, _turn,
+                                     _working, backward_holds, peak_layer, peak_of)
 
-
-class Phase(str, Enum):
-    """What part of the step a replayed step belongs to."""
-
-    FORWARD = "forward"
-    RECOMPUTE = "recompute"
-    SWAP_IN = "swap_in"
-    BACKWARD = "backward"
-
-
-class Buffer(str, Enum):
-    """What a replayed buffer holds; its key is ``(kind, node, ...)``, node -1 for the loss's."""
-
-    VALUE = "value"  # a node's value
-    COPY = "copy"  # the rebuilt copy of a kept value, inside its checkpointed stage
-    GRAD = "grad"  # a value's gradient, made by its reader's backward (key: u, the reader)
-    SHARED = "shared"  # a gradient a backward hands several inputs at once (Graph.grad_shares)
-    SUM = "sum"  # a new buffer a second gradient is summed into
-    EXTRA = "extra"  # what a layer saves besides node values
-    STATE = "state"  # the state a recomputed layer's forward found, copied for its recomputation
-    STATE_AFTER = "state_after"  # the state a recomputation leaves, put back after it
-    TRANSIENT = "transient"  # what a call holds only while it runs
-    ATTRIBUTE = "attribute"  # what a module keeps as an attribute
-    ATTRIBUTE_AGAIN = "attribute_again"  # the attribute a later call makes before it frees the old one
-    WORK = "work"  # the working gradients of a layer's in-place members
-    MEASURED = "measured"  # the entry that brings a layer's backward to its measured peak
-    PARAM_GRAD = "param_grad"  # parameter gradients, to the step's end
-    LOSS_FORWARD = "loss_forward"  # what the loss's forward holds
-    LOSS = "loss"  # the loss backward's working buffers
-    LOSS_HELD = "loss_held"  # the loss's value and seed, to the step's end
-    LOSS_UNPACKING = "loss_unpacking"  # what the loss's backward holds as it unpacks a discarded output
-    UNPACKING = "unpacking"  # what a layer's backward holds as it unpacks a value to recompute
-
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """One computation of the replayed training step: what it allocates, then what it frees."""
-
-    node: int
-    phase: Phase
-    allocs: tuple[tuple[tuple, int], ...]  # ((Buffer, node, ...), bytes)
-    frees: tuple[tuple, ...]
-    call: bool = True  # the step runs the node's layer (its forward, or its whole backward): its FLOPs
-
-
-def _live_bytes(steps: list[Step]):
-    """The bytes live at each step, once its allocations are made and before its frees."""
-    live = 0
-    sizes: dict[tuple[str, int], int] = {}
-    for step in steps:
-        for key, size in step.allocs:
-            sizes[key] = size
-            live += size
-        yield live
-        for key in step.frees:
-            live -= sizes.pop(key)
-    assert not sizes, f"simulator bug: {len(sizes)} buffers never freed"
-
-
-def peak_of(steps: list[Step]) -> int:
-    return max(_live_bytes(steps), default=0)
-
-
-def peak_layer(steps: list[Step]) -> int | None:
-    """The layer whose backward is running when ``peak_of(steps)`` is first reached (its own steps, or a
-    recomputation it calls for, which comes before them); None where the peak is in the forward pass."""
-    live = list(_live_bytes(steps))
-    at = live.index(max(live))
-    if steps[at].phase == Phase.FORWARD:
-        return None
-    return next((s.node for s in steps[at:] if s.phase == Phase.BACKWARD and s.node >= 0), None)
+__all__ = ["Buffer", "Phase", "Step", "backward_holds", "called_for", "forward_order", "peak_layer", "peak_of",
+           "timeline"]
 
 
 def timeline(graph: Graph, plan: Plan) -> list[Step]:
@@ -331,10 +217,6 @@ def _first_saving(graph: Graph, stage: int) -> int:
     return min(_saving(graph, stage), default=-1)
 
 
-def _key(u: int, n: int) -> tuple:
-    return (Buffer.VALUE, u) if u < n else (Buffer.COPY, u - n)
-
-
 def _forward(graph: Graph, facts: _Facts, found: set[int], unread: list[int], to_loss: set[int]) -> list[Step]:
     """The forward pass and the loss's forward. ``found``: the nodes that keep a copy of the state their call
     found, ``unread`` those of them whose stage is not recomputed; ``to_loss``: kept values held through the
@@ -480,14 +362,15 @@ def _backward(graph: Graph, facts: _Facts, frame_holds: dict[int, list[int]]) ->
         if extras_missing:
             missing.add(stage_of[v])
         # The layer's backward may run a while before it unpacks what it must wait for (NOTE [a layer's
-        # backward peak]): the recomputation runs on top of what it holds by then.
+        # backward peak]): the recomputation runs on top of what it holds by then, less than was live as it began
+        # where it has freed more than it made (an LSTM run step by step, its second layer's extras gone).
         own_missing = not in_place_first and own in reads and not present[own]
         unpacking = _held_at_unpack(graph, v, lambda u: own_missing or extras_missing if u == v
                                     else not present[copy(u, v)]) - held if missing else 0
-        if unpacking > 0:
+        if unpacking:
             steps.append(Step(v, Phase.BACKWARD, (((Buffer.UNPACKING, v), unpacking),), (), call=False))
         recompute(missing)
-        if unpacking > 0:
+        if unpacking:
             steps.append(Step(v, Phase.BACKWARD, (), ((Buffer.UNPACKING, v),), call=False))
         allocs, frees = gradients.backward(v, _after_members(graph, v) if in_place_first else None)
         allocs += gradients.params(v, frees)
@@ -508,110 +391,6 @@ def _backward(graph: Graph, facts: _Facts, frame_holds: dict[int, list[int]]) ->
     return steps
 
 
-class _Gradients:
-    """Which buffer holds each node's gradient in the backward pass, as the autograd engine hands them on
-    (``Graph.grad_shares``) and sums them (``InputBuffer``'s ``accumulate``): a node's first gradient is
-    the buffer it was handed; a later one is summed in place into the buffer it has when no other node's
-    gradient shares that buffer and it is the gradient's size (the contribution, if new, lives only for the
-    sum), else into the new contribution (after a view of the loss's seed, too), else into a new buffer. A
-    buffer goes when no node's gradient is in it any more."""
-
-    def __init__(self, graph: Graph):
-        self.graph = graph
-        self.buffer_of: dict[int, tuple] = {}  # node -> key of the buffer holding its gradient
-        self.holders: dict[tuple, int] = {}  # buffer key -> how many nodes' gradients it holds
-        self.size: dict[tuple, int] = {}  # buffer key -> bytes
-        # node -> the nodes whose parameters' gradients its backward makes, if it is the first of their readers
-        self.param_owners = [[v] if graph.param_bytes[v] else [] for v in range(len(graph))]
-        for v, sharers in enumerate(graph.param_sharers):
-            for u in sharers:
-                self.param_owners[u].append(v)
-        self.params_made: set[int] = set()
-        self.readers_left = {u: 0 for owners in self.param_owners for u in owners}  # backwards yet to make each
-        for owners in self.param_owners:
-            for u in owners:
-                self.readers_left[u] += 1
-
-    def params(self, v: int, frees: list) -> list:
-        """The parameter gradients the backward of ``v`` makes: those of the parameters no backward has
-        reached yet (``Graph.param_sharers``); they stay to the step's end, or go as that backward ends
-        (``Graph.param_grads_released``: into ``frees``; a shared parameter's once the backward of its last
-        reader is done, since autograd sums the contributions before it accumulates the gradient)."""
-        owners = [u for u in self.param_owners[v] if u not in self.params_made]
-        self.params_made.update(owners)
-        if self.graph.param_grads_released:
-            for u in self.param_owners[v]:
-                self.readers_left[u] -= 1
-                if not self.readers_left[u]:
-                    frees.append((Buffer.PARAM_GRAD, u))
-        return [((Buffer.PARAM_GRAD, u), self.graph.param_bytes[u]) for u in owners]
-
-    def hold(self, u: int, key: tuple, size: int | None = None):
-        if size is not None:
-            self.size[key] = size
-        self.buffer_of[u] = key
-        self.holders[key] = self.holders.get(key, 0) + 1
-
-    def drop(self, u: int, frees: list):
-        key = self.buffer_of.pop(u, None)
-        if key is not None:
-            self.holders[key] -= 1
-            if not self.holders[key]:
-                del self.holders[key]
-                frees.append(key)
-
-    def in_place_members(self, v: int, work: int) -> tuple[list, list, int]:
-        """The first backward step of ``v``'s in-place members (``_in_place_first``): the gradients they
-        hand on (``Graph.early_grads``) and their working ones, then what they free (the gradient received);
-        and what they hold as the rest of the layer's backward starts, above what was live as it began."""
-        handed, frees = self.backward(v, self.graph.early_grads[v])
-        held = work + sum(size for _, size in handed) - sum(self.size[key] for key in frees)
-        return handed + ([((Buffer.WORK, v), work)] if work else []), frees, held
-
-    def backward(self, v: int, only=None) -> tuple[list, list]:
-        """The backward of ``v``, or of the part of its layer that makes the gradients of the predecessors
-        ``only``: the buffers it allocates, then those it frees (its own gradient's, unless handed on, and
-        every contribution summed away)."""
-        graph = self.graph
-        handed = {}  # predecessor -> (buffer key, bytes; -1: v's own gradient's buffer)
-        for i, (preds, size) in enumerate(graph.grad_shares[v]):
-            if size < 0 and v not in self.buffer_of:  # the received gradient went to work already
-                continue
-            key = self.buffer_of[v] if size < 0 else (Buffer.SHARED, v, i)
-            handed.update((u, (key, size)) for u in preds)
-        allocs, made = [], set()
-
-        def make(key, size):
-            if key not in made and key not in self.holders:
-                made.add(key)
-                allocs.append((key, size))
-                self.size[key] = size
-
-        frees = []
-        for u in graph.preds[v] if only is None else only:
-            if not graph.reached[u] or u in graph.preds_without_grad[v]:  # it takes no gradient (from v)
-                continue
-            key, size = handed.get(u, ((Buffer.GRAD, u, v), graph.mem_bytes[u]))
-            old = self.buffer_of.get(u)
-            if old is None:
-                make(key, size)
-                self.hold(u, key)
-            elif self.holders[old] == 1 and self.size[old] >= graph.mem_bytes[u]:
-                make(key, size)  # summed in place into u's buffer; a new contribution lives for the sum
-            else:
-                # u's buffer may not be written: shared, or a view smaller than the gradient (the loss
-                # hands a sum's output a view of its seed). The sum goes into the contribution if it is
-                # new, else into a new buffer.
-                if key in self.holders:
-                    key = (Buffer.SUM, u, v)
-                make(key, graph.mem_bytes[u] if key[0] == Buffer.SUM else size)
-                self.drop(u, frees)
-                self.hold(u, key)
-        self.drop(v, frees)
-        frees += [key for key in made if key not in self.holders]
-        return allocs, frees
-
-
 def forward_order(graph: Graph, stage_of: list[int]) -> list[int]:
     """The nodes in the order the executor's forward pass runs them: stage by stage, in program order within
     a stage, except that a node never runs before an earlier one that uses the same state
@@ -623,247 +402,6 @@ def forward_order(graph: Graph, stage_of: list[int]) -> list[int]:
         last_use.update(dict.fromkeys(graph.shared_state[v], k))
         key.append(k)
     return sorted(range(len(graph)), key=lambda v: (key[v], v))
-
-
-def schedule_timeline(graph: Graph, computed: tuple[int, ...], held: tuple[int, ...],
-                      discarded: int | None = None) -> list[Step]:
-    """The training step a general schedule (R, S; ``strategies/schedule.py``) describes, counted as
-    ``timeline`` counts a stage plan's (NOTE [a schedule's replay]). ``discarded``: for a stage plan written
-    as a schedule, the values it discards (by default, those the schedule computes again)."""
-    n = len(graph)
-    tg = schedule.training_graph(graph, loss_reads_outputs=False)
-    size = 2 * n
-    # The computation of each value whose autograd record its backward uses: the last one before it.
-    recorded = [max(t for t in range(schedule.backward_node(n, v) + 1) if computed[t] >> v & 1) for v in range(n)]
-    if discarded is None:
-        discarded = sum(1 << v for v in range(n) if recorded[v] != v)
-    last = [max(t for t in range(size) if computed[t] >> v & 1) for v in range(n)]  # its last computation
-    gradients = _Gradients(graph)
-    present = 0  # the forward values on the device
-    steps = []
-
-    def read_later(row: int, u: int, after: int, but: int = -1) -> bool:
-        return any(row >> j & 1 for j in tg.users[u] if j > after and j != but)
-
-    outputs = sum(1 << v for v in graph.outputs)  # here until the loss's forward: the model returns them
-    # as is what the layers no gradient reaches saved (NOTE [what no gradient reaches] in harness/backward_profile.py)
-    unreached_reads = sum(1 << u for w in graph.unreached for u in graph.backward_reads[w] if not discarded >> u & 1)
-    outputs |= unreached_reads
-    for t in range(size):
-        held_next = held[t + 1] if t + 1 < size else 0
-        row = computed[t]
-        if t == n:  # the loss: its forward, then its backward; an output it reads stays to the turn's end
-            reads = bits(graph.loss_reads)
-            loss = [((Buffer.LOSS_FORWARD, -1), graph.loss_forward_bytes)] if graph.loss_forward_bytes else []
-            gone = present & ~held[n] & ~reads
-            unreached = [(Buffer.EXTRA, w) for w in graph.unreached
-                         if graph.saved_extra_bytes[w] and not discarded >> w & 1]
-            steps.append(Step(-1, Phase.FORWARD, tuple(loss), (*[(Buffer.VALUE, u) for u in members(gone)],
-                                                            *[key for key, _ in loss], *unreached)))
-            present &= ~gone
-            turn = _turn(graph, gradients)
-            # A Checkmate schedule lets the loss read nothing: an output it reads that is gone by now is
-            # counted back for the turn alone, where the stage replay recomputes the output's stage.
-            back = reads & ~present
-            later = sum(1 << u for u in graph.loss_reads if read_later(row, u, -1))
-            gone = back | present & reads & ~held[n] & ~later
-            steps.append(dataclasses.replace(turn, allocs=(*turn.allocs, *(((Buffer.VALUE, u), graph.mem_bytes[u])
-                                                                            for u in members(back))),
-                                             frees=(*turn.frees, *((Buffer.VALUE, u) for u in members(gone)))))
-            present &= ~gone
-        v = schedule.backward_node(n, t) if t >= n else -1
-        work = _working(graph, v) if v >= 0 else 0
-        in_place_first = v >= 0 and graph.reached[v] and _in_place_first(graph, v, work)
-        in_place_done = not in_place_first
-        held_by_members = 0  # what the in-place members hold when the rest of the layer's backward starts
-
-        def in_place_members(after: int):
-            """A layer's in-place members run their backward first, as in ``_backward``: as soon as the
-            value they read is here, before the recomputations its other reads call for."""
-            nonlocal held_by_members
-            made, early, held_by_members = gradients.in_place_members(v, work)
-            if present >> v & 1 and not held_next >> v & 1 and not read_later(row, v, after, but=t):
-                early.append((Buffer.VALUE, v))
-            steps.append(Step(v, Phase.BACKWARD, tuple(made), tuple(early), call=False))
-            return sum(1 << key[1] for key in early if key[0] == Buffer.VALUE)
-
-        if not in_place_done and present >> v & 1:
-            present &= ~in_place_members(-1)
-            in_place_done = True
-        for k in members(row):
-            gone = [i for i in schedule.frees(tg, row, held_next, k) if i < n and present >> i & 1
-                    and not (t < n and unreached_reads >> i & 1)]
-            if k >= n and not graph.reached[v]:  # a backward that never runs
-                present &= ~sum(1 << i for i in gone)
-                steps.append(Step(v, Phase.BACKWARD, (), tuple((Buffer.VALUE, i) for i in gone), call=False))
-                continue
-            if k >= n:  # the backward of v
-                if k != t:
-                    raise ValueError(f"schedule_timeline: stage {t} computes backward node {k} again; autograd "
-                                     "computes each gradient once (ilp_optimal's MILP is built so)")
-                assert in_place_done, f"schedule: the backward of node {v} without its value"
-                present &= ~sum(1 << i for i in gone)
-                allocs, frees = gradients.backward(v, _after_members(graph, v) if in_place_first else None)
-                allocs += gradients.params(v, frees)
-                if work and v not in graph.backward_reads[v]:  # made after what it saved is read
-                    allocs.append(((Buffer.WORK, v), work))
-                allocs += _to_measured_peak(graph, v, held_by_members + sum(size for _, size in allocs), frees,
-                                            set(gone))
-                frees += [(Buffer.VALUE, i) for i in gone] + ([(Buffer.WORK, v)] if work else [])
-                frees += [(Buffer.EXTRA, v)] if graph.saved_extra_bytes[v] else []
-                steps.append(Step(v, Phase.BACKWARD, tuple(allocs), tuple(frees)))
-                continue
-            # A value: its first computation, or a recomputation.
-            assert not present >> k & 1, f"schedule: stage {t} computes node {k} while holding it"
-            allocs = [((Buffer.VALUE, k), graph.mem_bytes[k])]
-            frees = [(Buffer.VALUE, i) for i in gone]
-            if graph.saved_extra_bytes[k] and (recorded[k] == t or not graph.reached[k]):
-                allocs.append(((Buffer.EXTRA, k), graph.saved_extra_bytes[k]))
-                if not graph.reached[k] and not (t == k and not discarded >> k & 1):  # nothing reads it: it goes now
-                    frees.append((Buffer.EXTRA, k))
-            if graph.recompute_state_bytes[k]:  # the state as the first call found it, to the last one
-                if t == k and last[k] != k:
-                    allocs.append(((Buffer.STATE, k), graph.recompute_state_bytes[k]))
-                elif t != k and t != last[k]:  # the state this call leaves, put back after it
-                    allocs.append(((Buffer.STATE_AFTER, k), graph.recompute_state_bytes[k]))
-                    frees.append((Buffer.STATE_AFTER, k))
-                elif t != k:
-                    frees.append((Buffer.STATE, k))
-            _transient(graph, k, allocs, frees, first=t == k)
-            steps += [] if t == k else _attribute_again(graph, k)
-            present |= 1 << k
-            # nothing reads it before its next computation (an output: the loss, at the turn)
-            if not held_next >> k & 1 and not read_later(row, k, k) and not (t < n and outputs >> k & 1):
-                frees.append((Buffer.VALUE, k))
-            present &= ~sum(1 << i for kind, i in frees if kind == Buffer.VALUE)
-            steps += _call(graph, k, Phase.FORWARD if t == k else Phase.RECOMPUTE, allocs, frees)
-            if k == v and not in_place_done:
-                present &= ~in_place_members(k)
-                in_place_done = True
-        leaving = present & ~held_next & ~(outputs if t < n else 0)
-        if leaving:  # held for a reader the loss stood in for (Checkmate's outputs): gone now
-            steps.append(Step(-1, Phase.FORWARD if t < n else Phase.BACKWARD, (),
-                              tuple((Buffer.VALUE, u) for u in members(leaving))))
-            present &= ~leaving
-    steps.append(_end(graph, gradients))
-    return steps
-
-
-def _in_place_first(graph: Graph, v: int, work: int) -> bool:
-    """Whether ``v``'s in-place members run their backward as a step of its own, before the rest of the
-    layer's: they read ``v``'s value and make working gradients or hand gradients on."""
-    return bool(work or graph.early_grads[v]) and v in graph.backward_reads[v]
-
-
-def _after_members(graph: Graph, v: int) -> list[int]:
-    """The predecessors whose gradients the rest of ``v``'s layer makes, after its in-place members."""
-    return [u for u in graph.preds[v] if u not in graph.early_grads[v]]
-
-
-def backward_holds(graph: Graph, v: int) -> tuple[int, int | None]:
-    """What the backward of ``v``'s layer holds, whatever the plan, above what was live as it began: at the step
-    that makes its gradients, the lesser of the two peaks that step may be brought to (NOTE [a layer's backward
-    peak]; 0 where not measured); and where its in-place members run their backward first, at their step (which
-    may read ``v``'s value last), their working gradients, else None."""
-    work = _working(graph, v)
-    first = work if _in_place_first(graph, v, work) else None
-    if graph.backward_peak_bytes is None:
-        return 0, first
-    peak = graph.backward_peak_bytes[v]
-    if graph.backward_frees is not None and graph.backward_frees[v][0]:
-        peak = min(peak, graph.backward_frees[v][1])
-    return max(peak, 0), first
-
-
-def _working(graph: Graph, v: int) -> int:
-    """The working gradients of ``v``'s in-place members (NOTE [a layer's backward peak])."""
-    peaks = graph.backward_peak_bytes
-    return graph.backward_work_bytes[v] if peaks is None else min(graph.backward_work_bytes[v], peaks[v])
-
-
-def _to_measured_peak(graph: Graph, v: int, held: int, frees: list, released: set[int]) -> list:
-    """The entry that brings the replay's backward of ``v`` to the peak its layer's backward measured (NOTE
-    [a layer's backward peak]), going with the step: negative where the layer has freed by then what the
-    replay still holds, positive where it holds what the replay does not see (a product's backward makes
-    the whole product before it sums it down to a broadcast scalar's gradient); ``held`` is what the
-    replay's backward of ``v`` holds then above what was live as it began, values aside. Where the step
-    releases every value the layer's backward freed as it ran (``released``), the peak is the one with
-    them going as they went (``Graph.backward_frees``)."""
-    if graph.backward_peak_bytes is None:
-        return []
-    peak = graph.backward_peak_bytes[v]
-    if graph.backward_frees is not None:
-        freed, freeing_peak = graph.backward_frees[v]
-        if freed and released.issuperset(freed):
-            peak = freeing_peak
-    if held == peak:
-        return []
-    frees.append((Buffer.MEASURED, v))
-    return [((Buffer.MEASURED, v), peak - held)]
-
-
-def _held_at_unpack(graph: Graph, v: int, missing) -> int:
-    """What the backward of ``v``'s layer holds, above what was live as it began, when it first unpacks
-    a value for which ``missing`` is true (``Graph.unpack_held_bytes``; 0 where not measured)."""
-    for u, held in graph.unpack_held_bytes[v] if graph.unpack_held_bytes is not None else ():
-        if missing(u):
-            return held
-    return 0
-
-
-def _call(graph: Graph, v: int, phase: str, allocs: list, frees: list) -> list[Step]:
-    """A call of ``v``'s layer: its allocations, then its frees; in two steps where its extras come after
-    the values that go at it have gone (``Graph.extras_after_reads``)."""
-    if not (graph.extras_after_reads and graph.extras_after_reads[v]):
-        return [Step(v, phase, tuple(allocs), tuple(frees))]
-    extra = [alloc for alloc in allocs if alloc[0] == (Buffer.EXTRA, v)]
-    inputs_gone = [key for key in frees if key[0] in (Buffer.VALUE, Buffer.COPY) and key[1] != v]
-    return [Step(v, phase, tuple(alloc for alloc in allocs if alloc not in extra), tuple(inputs_gone)),
-            Step(v, phase, tuple(extra), tuple(key for key in frees if key not in inputs_gone), call=False)]
-
-
-def _transient(graph: Graph, v: int, allocs: list, frees: list, first: bool):
-    """What a call of ``v``'s layer holds while it runs above what it leaves (``Graph.forward_transient_bytes``):
-    gone by the step's end; and what it leaves on a module (``Graph.attribute_bytes``), from its ``first``
-    call to the step's end (a later call's is ``_attribute_again``)."""
-    if graph.forward_transient_bytes is not None and graph.forward_transient_bytes[v]:
-        allocs.append(((Buffer.TRANSIENT, v), graph.forward_transient_bytes[v]))
-        frees.append((Buffer.TRANSIENT, v))
-    if graph.attribute_bytes[v] and first:
-        allocs.append(((Buffer.ATTRIBUTE, v), graph.attribute_bytes[v]))
-
-
-def _attribute_again(graph: Graph, v: int) -> list[Step]:
-    """Before a later call of ``v``'s layer runs, its pre-hook makes the module's attribute again, and
-    setting it frees the one before (NOTE [tensors a module keeps] in ``harness/probe.py``): both are
-    there for that moment alone, before the layer allocates anything."""
-    if not graph.attribute_bytes[v]:
-        return []
-    key = (Buffer.ATTRIBUTE_AGAIN, v)
-    return [Step(v, Phase.RECOMPUTE, ((key, graph.attribute_bytes[v]),), (key,), call=False)]
-
-
-def _turn(graph: Graph, gradients: "_Gradients", fetched=(), loss_held: bool = True) -> Step:
-    """From forward to backward: the swapped values fetched at once, the loss's buffers and the loss's
-    gradients with respect to the outputs come; the loss's working buffers go, its value stays
-    (``loss_held``: it comes here, not before)."""
-    outputs = [v for v in graph.outputs if graph.reached[v]]  # the others take no gradient
-    for v in outputs:
-        gradients.hold(v, (Buffer.GRAD, v), graph.loss_grad_bytes[v])
-    allocs = [*fetched, *(((Buffer.GRAD, v), graph.loss_grad_bytes[v]) for v in outputs)]
-    allocs += [((Buffer.LOSS, -1), graph.loss_bytes)] if graph.loss_bytes else []
-    allocs += [((Buffer.LOSS_HELD, -1), graph.loss_held_bytes)] if graph.loss_held_bytes and loss_held else []
-    return Step(-1, Phase.BACKWARD, tuple(allocs), ((Buffer.LOSS, -1),) if graph.loss_bytes else ())
-
-
-def _end(graph: Graph, gradients: "_Gradients") -> Step:
-    """Parameter gradients outlive the step (the optimizer reads them), as do the loss's value and what
-    modules keep (``Graph.attribute_bytes``): freed at the end for the tally."""
-    kept = sorted(u for u in gradients.params_made if not graph.param_grads_released or gradients.readers_left[u])
-    return Step(-1, Phase.BACKWARD, (), tuple([*((Buffer.PARAM_GRAD, u) for u in kept),
-                                          *((Buffer.ATTRIBUTE, v) for v in range(len(graph))
-                                            if graph.attribute_bytes[v]),
-                                          *([(Buffer.LOSS_HELD, -1)] if graph.loss_held_bytes else [])]))
 
 
 def _recompute_stage(graph: Graph, facts: _Facts, s: int, nodes: list[int], live: _Residency) -> list[Step]:

@@ -67,7 +67,8 @@ from strategies import schedule
 from strategies.equation2 import dp_view, equation_2_peak
 from strategies.graph import Graph
 from strategies.plan import InfeasibleBudget, Plan
-from strategies.replay import Step, peak_of, schedule_timeline, timeline
+from strategies.replay import Step, peak_of, timeline
+from strategies.schedule_replay import schedule_timeline
 
 
 @dataclass(frozen=True, slots=True)

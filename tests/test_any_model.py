@@ -1,5 +1,5 @@
 """Any PyTorch model, exact: randomness, in-place ops and state handled by mechanism (NOTE [replaying side
-effects] in harness/execute.py), on models from outside the zoo; and models named by source."""
+effects] in harness/execute/side_effects.py), on models from outside the zoo; and models named by source."""
 
 import copy
 import dataclasses
@@ -1042,7 +1042,7 @@ def test_a_step_in_bfloat16_is_exact_to_its_rounding_and_an_unreplayed_draw_is_n
         difference = compare(model, tokens, loss_fn, lambda: execute(traced, plan, tokens, loss_fn=loss_fn))
         assert difference.exact and difference.tolerance == tolerance(torch.bfloat16), difference
     # The tolerance still tells a wrong step: a recomputation that draws its dropout masks afresh.
-    monkeypatch.setattr(sys.modules["harness.execute"], "set_rng_state", lambda state: None)
+    monkeypatch.setattr(sys.modules["harness.execute.side_effects"], "set_rng_state", lambda state: None)
     for plan in plans:
         difference = compare(model, tokens, loss_fn, lambda: execute(traced, plan, tokens, loss_fn=loss_fn))
         assert difference.worst_gradient > 3 * difference.tolerance, difference

@@ -89,24 +89,21 @@ def test_judged_by_the_replay_every_peak_a_dp_gives_is_a_budget_it_accepts(graph
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(small_dags(max_nodes=9))
-def test_searched_in_the_replay_the_exact_dp_never_needs_more_memory_than_the_approximate_one(graph):
+def test_memory_centric_the_exact_dp_never_needs_more_memory_than_the_approximate_one(graph):
     """NOTE [the least replay]: the exact DP's chains include the approximate DP's, and so does its search."""
-    for mode in ("tc", "mc"):
-        exact, approx = (simulate(graph, solve(name, graph, mode=mode, memory_model="replay")).peak_bytes
-                         for name in ("exact_dp", "approx_dp"))
-        assert exact <= approx, mode
+    exact, approx = (simulate(graph, solve(name, graph, mode="mc")).peak_bytes for name in ("exact_dp", "approx_dp"))
+    assert exact <= approx
 
 
 @pytest.mark.parametrize("net", ["vgg19", "unet", "resnet50", "googlenet"])
-def test_on_paper_nets_the_dps_searched_in_the_replay_need_no_more_than_chen_s(net):
+def test_on_paper_nets_the_memory_centric_dps_need_no_more_than_chen_s(net):
     """At the paper's sizes, judged by the replay: the least memory each DP's search reaches is no more than Chen et
     al.'s sqrt(n) plan needs, nor their greedy one, and the exact DP's no more than the approximate one's."""
     from harness.run import traced_net
 
     graph = traced_net(net).traced.graph
-    searched = {"mode": "mc", "memory_model": "replay"}
     peak = {name: simulate(graph, solve(name, graph, **options)).peak_bytes for name, options in
-            (("approx_dp", searched), ("exact_dp", searched), ("chen_sqrt", {}), ("chen_greedy", {}))}
+            (("approx_dp", {"mode": "mc"}), ("exact_dp", {"mode": "mc"}), ("chen_sqrt", {}), ("chen_greedy", {}))}
     assert peak["exact_dp"] <= peak["approx_dp"] <= min(peak["chen_sqrt"], peak["chen_greedy"]), peak
 
 

@@ -280,7 +280,7 @@ class ClassifierHead(nn.Module):
 
 def test_what_a_plan_needs_is_found_at_its_first_step_and_each_step_recomputes_what_its_backward_reads():
     """The order of the calls and each recomputation's schedule are made once per trace and plan (NOTE [what a
-    call needs, found once] in harness/execute.py), and a recomputation's by what the step's tokens read: a
+    call needs, found once] in harness/execute/step.py), and a recomputation's by what the step's tokens read: a
     later step whose loss reads the head's output recomputes it too, and both steps are plain PyTorch's."""
     torch.manual_seed(0)
     model, x = ClassifierHead().train(), torch.randn(8, 16)

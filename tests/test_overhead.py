@@ -1,5 +1,5 @@
 """The executor's host work: a recomputing step's ATen op calls stay within plain PyTorch's, plus its recomputed
-calls' own, plus two per recomputed call (NOTE [what a call needs, found once] in harness/execute.py). Op counts
+calls' own, plus two per recomputed call (NOTE [what a call needs, found once] in harness/execute/step.py). Op counts
 are deterministic, so the bound holds exactly here, on ResNet-50 too, whose recomputed BatchNorms copy their
 running statistics (``results/overhead_cpu.md``)."""
 

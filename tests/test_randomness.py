@@ -1,6 +1,6 @@
 """Randomness under every recomputing strategy: each plan here recomputes dropout, its last recomputation of the
 step draws, and after the step the program's generators are where plain PyTorch's are, on the step that learns
-which calls draw and on the steps that rely on it (NOTE [what a call needs, found once] in harness/execute.py)."""
+which calls draw and on the steps that rely on it (NOTE [what a call needs, found once] in harness/execute/step.py)."""
 
 import copy
 
@@ -16,14 +16,15 @@ from strategies import members
 
 # Every strategy of this project's own that recomputes, each with a budget that makes it recompute.
 RECOMPUTING = [("chen_sqrt", {}, None), ("chen_greedy", {}, "half"), ("approx_dp", {"mode": "tc"}, "half"),
-               ("approx_dp", {"mode": "mc"}, None), ("exact_dp", {"mode": "tc"}, "half"),
-               ("exact_dp", {"mode": "mc"}, None)]
+               ("approx_dp", {"mode": "mc"}, "half"), ("exact_dp", {"mode": "tc"}, "half"),
+               ("exact_dp", {"mode": "mc"}, "half")]
 
 
 class DropoutChain(nn.Module):
     """Dropout on the input, then residual blocks with a dropout inside each branch (never a split point: Chen's
-    greedy recomputes it whatever its segments). Whatever stages a plan cuts, the first one draws, and the
-    first stage's recomputation is the last of the step (autograd runs the stages backwards)."""
+    greedy recomputes it whatever its segments). The first stage's recomputation is the last of the step (autograd
+    runs the stages backwards); at the budgets here every plan's first stage recomputes the input's dropout (the
+    least-memory plans keep the value after it, and their last recomputation draws nothing)."""
 
     def __init__(self, blocks=8, width=32):
         super().__init__()
@@ -45,8 +46,8 @@ def loss_fn(out):
 
 def plan_for(traced, strategy, options, budget):
     graph = traced.graph
-    if budget == "half":  # halfway between the least memory and vanilla's: the plan must recompute
-        least = strategies.simulate(graph, strategies.solve("approx_dp", graph, mode="mc")).peak_bytes
+    if budget == "half":  # halfway between equation (2)'s least plan's and vanilla's: the plan must recompute
+        least = strategies.simulate(graph, strategies.solve("approx_dp", graph, mode="tc")).peak_bytes
         most = strategies.simulate(graph, strategies.solve("vanilla", graph)).peak_bytes
         budget = (least + most) // 2
     return strategies.solve(strategy, graph, budget, **options)

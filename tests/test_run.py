@@ -134,10 +134,22 @@ def test_command_line_errors_name_the_choices(tmp_path):
 
 @pytest.mark.slow
 def test_a_cell_whose_row_is_an_error_exits_non_zero_naming_it(tmp_path):
-    done = _harness("+net=module", "net.target=os:getcwd", "+strategy=vanilla", f"results_dir={tmp_path}",
-                    cwd=tmp_path)
+    (tmp_path / "broken_model.py").write_text(
+        "import torch\n\n\nclass Broken(torch.nn.Module):\n    def forward(self, x):\n"
+        "        raise RuntimeError('a forward that always fails')\n\n\ndef build():\n    return Broken()\n")
+    done = _harness("+net=module", "net.target=broken_model:build", "+strategy=vanilla", "batch_size=1",
+                    "image_size=8", f"results_dir={tmp_path / 'rows'}", cwd=tmp_path)
     assert done.returncode != 0
-    assert "the factory returned a str, not an nn.Module" in done.stderr and "module:os:getcwd__vanilla" in done.stderr
+    assert "a forward that always fails" in done.stderr and "module:broken_model:build__vanilla" in done.stderr
+    assert len(list((tmp_path / "rows").iterdir())) == 1  # the error row is written: a sweep records it and goes on
+
+
+@pytest.mark.slow
+def test_bad_input_found_by_building_the_model_exits_with_one_line_and_no_row(tmp_path):
+    done = _harness("+net=module", "net.target=os:getcwd", "+strategy=vanilla", f"results_dir={tmp_path / 'rows'}",
+                    cwd=tmp_path)
+    assert done.returncode != 0 and not (tmp_path / "rows").exists()
+    assert done.stderr.strip() == "module model 'os:getcwd': the factory returned a str, not an nn.Module"
 
 
 def test_a_run_in_bfloat16_holds_half_of_float32_and_says_so(tmp_path):
@@ -334,6 +346,17 @@ def test_a_key_nothing_reads_or_an_option_refused_stops_the_run_before_anything_
         entry.main.__wrapped__(cfg)
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         entry.check_keys(compose("config", overrides=["+net=vgg19", "+strategy=approx_dp", "strategy.options.mode=mc"]))
+
+
+def test_a_factory_that_returns_no_module_stops_the_run_with_one_line_and_no_row(tmp_path):
+    import harness.__main__ as entry
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose("config", overrides=["+net=module", "net.target=os:getcwd", "+strategy=vanilla",
+                                            f"results_dir={tmp_path}"])
+    with pytest.raises(SystemExit, match=r"^module model 'os:getcwd': the factory returned a str, not an nn.Module$"):
+        entry.main.__wrapped__(cfg)
+    assert not list(tmp_path.iterdir())
 
 
 def test_every_run_the_readme_shows_passes_the_checks_at_the_edge():

@@ -1,5 +1,6 @@
 """What the drivers that write ``results/`` share: the header line naming the command that made a table, the
-``--rows``/``--from-rows`` options of a driver whose cells write rows, and the figure writer."""
+``--rows``/``--from-rows`` options of a driver whose cells write rows, and the figure writer (each strategy's look:
+``harness/bench/style.py``)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def save_figure(fig, caption: str, path: Path, ax=None, labels=("", ""), title="
         ax.set_ylabel(labels[1])
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=legend_size, loc="best")
+        if ax.get_legend_handles_labels()[0]:  # outside the axes, so that it hides no point
+            ax.legend(fontsize=legend_size, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     fig.text(0.01, 0.01, caption, fontsize=6, color="0.4")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

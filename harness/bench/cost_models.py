@@ -74,8 +74,9 @@ def summary(points: pd.DataFrame) -> list[str]:
 def plot(points: pd.DataFrame, vanilla_ms: float, title: str, caption: str, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for k, (cost_model, group) in enumerate(points.groupby("cost model", sort=False)):
-        ax.plot(group["budget GB"], group["step ms"], marker="osD"[k % 3], color=f"C{k}",
-                label=f"approx_dp tc, {cost_model} cost model")
+        spread = group["step ms"] * group["IQR %"] / 200  # half the interquartile range each way
+        ax.errorbar(group["budget GB"], group["step ms"], yerr=spread, marker="osD"[k % 3], color=f"C{k}", capsize=3,
+                    label=f"approx_dp tc, {cost_model} cost model (bars: interquartile range)")
         if group["predicted ms"].notna().any():
             ax.plot(group["budget GB"], group["predicted ms"], linestyle=":", color=f"C{k}",
                     label=f"what the {cost_model} costs predict")

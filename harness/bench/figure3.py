@@ -31,6 +31,7 @@ import pandas as pd  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from harness.bench.common import add_rows_options, command_of, made_by, save_figure  # noqa: E402
+from harness.bench.style import line_style, style  # noqa: E402
 from harness.budget import parse_budget  # noqa: E402
 from harness.bench.max_batch import fits, run_within  # noqa: E402
 from harness.results import DEVICE_TIME_NOTE, device_time, label  # noqa: E402
@@ -110,11 +111,16 @@ def tc_against_chen(table: pd.DataFrame) -> list[str]:
 def plot(table: pd.DataFrame, net: str, memory: int, device: str, device_name: str, caption: str,
          path: Path) -> None:
     group = table[table.net == net]
+    if (group.fits & group.time.notna()).sum() < 2:  # a single point is no curve: no figure
+        return
     _, axis_label = time_axis(device)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for curve, marker in zip([label(s, o) for s, o in CURVES], "osD^"):
+    for curve in [label(s, o) for s, o in CURVES]:
         drawn = group[(group.curve == curve) & group.fits & group.time.notna()]
-        ax.plot(drawn.batch, drawn.time, marker=marker, label=curve, zorder=3 if curve == "vanilla" else 2)
+        if drawn.empty:  # the legend lists only what is drawn
+            continue
+        ax.plot(drawn.batch, drawn.time, **style(curve), linestyle=line_style(curve), label=curve,
+                zorder=3 if curve == "vanilla" else 2)
     line = group.drop_duplicates("batch").sort_values("batch")
     if line["vanilla line"].notna().any():
         ax.plot(line.batch, line["vanilla line"], "k--", linewidth=1, label="vanilla, extrapolated (linear)")

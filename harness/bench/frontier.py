@@ -41,6 +41,7 @@ import pandas as pd  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from harness.bench.common import add_rows_options, command_of, made_by, save_figure  # noqa: E402
+from harness.bench.style import style  # noqa: E402
 from harness import nets  # noqa: E402
 from harness.budget import parse_budget  # noqa: E402
 from harness.results import DEVICE_TIME_NOTE, device_time, label, read_row, stored_path  # noqa: E402
@@ -256,12 +257,15 @@ def front_lines(table: pd.DataFrame) -> list[str]:
 def plot(table: pd.DataFrame, net: str, device: str, where: str, caption: str, path: Path) -> None:
     _, _, axis_label = time_axis(device)
     group = table[table.net == net].dropna(subset=["peak GB", "time"])
+    if len(group) < 2:  # a single point is no curve: no figure
+        return
     fig, ax = plt.subplots(figsize=(8, 5))
-    families = group.groupby(["strategy", "compiled"], sort=False)
-    for (k, ((strategy, compiled), points_)), marker in zip(enumerate(families), "osD^v<>pPX*h"):
-        ax.scatter(points_["peak GB"], points_.time, marker=marker, s=36, zorder=3,
-                   facecolors="none" if not compiled else None,
-                   label=f"{strategy}, {'compiled' if compiled else 'eager'}", color=f"C{k % 10}")
+    for (strategy, compiled), points_ in group.groupby(["strategy", "compiled"], sort=False):
+        look = style(strategy)  # eager: a larger hollow marker, compiled: a smaller filled one inside it
+        ax.scatter(points_["peak GB"], points_.time, marker=look["marker"], s=22 if compiled else 70,
+                   zorder=4 if compiled else 3, facecolors=look["color"] if compiled else "none",
+                   edgecolors=look["color"], linewidths=1.2,
+                   label=f"{strategy}, {'compiled' if compiled else 'eager'}")
     front = group[group.pareto].sort_values("peak GB")
     ax.step(front["peak GB"], front.time, where="post", color="k", linewidth=1, label="Pareto front")
     save_figure(fig, caption, path, ax, ("measured peak (GB)", axis_label),

@@ -38,12 +38,12 @@ class Mutant:
 
 MUTANTS = [
     Mutant("the program's RNG state is not put back after a recomputation that replayed draws",
-           "harness/execute.py",
+           "harness/execute/side_effects.py",
            "    state = rng_state(rng)\n    try:\n        yield\n    finally:\n        set_rng_state(state)\n",
            "    state = rng_state(rng)\n    yield\n",
            ("tests/test_randomness.py",)),
     Mutant("a recomputed call draws from wherever the generator is, not from the state its forward call found",
-           "harness/execute.py",
+           "harness/execute/side_effects.py",
            "        if node.name in self.rng_states:\n            set_rng_state(self.rng_states[node.name])\n",
            "",
            ("tests/test_randomness.py",)),
@@ -53,7 +53,7 @@ MUTANTS = [
            '            allocs.append(((Buffer.EXTRA, v), 0))\n',
            ("tests/test_accounting.py::test_predicted_peak_is_the_measured_one_to_the_byte",)),
     Mutant("a recomputed BatchNorm starts from the state its forward call left, and updates it again",
-           "harness/execute.py",
+           "harness/execute/side_effects.py",
            "                for m, name in held:\n"
            "                    (m or self.module)._buffers[name] = found[i]\n"
            "                placed.append((held, t))\n"
@@ -63,7 +63,7 @@ MUTANTS = [
             "tests/test_any_model.py::test_a_layer_that_reads_the_state_it_writes_is_recomputed_from_the_state_its_"
             "forward_found")),
     Mutant("a layer rerun to collect what it saves gets leaf inputs even where it writes an input in place",
-           "harness/execute.py",
+           "harness/execute/step.py",
            "fresh[a.name] = _Fresh.apply(leaf) if self.effects.writes_inputs.get(node.name, True) else leaf\n",
            "fresh[a.name] = leaf\n",
            ("tests/test_any_model.py::test_side_effects_are_replayed_by_mechanism",)),
@@ -89,7 +89,7 @@ MUTANTS = [
            "                                  )",
            ("tests/test_transformer_peers.py::test_on_meta_each_peer_is_predicted_as_checkpoint_per_block_is",)),
     Mutant("released parameter gradients stay to the step's end in the replay",
-           "strategies/replay.py",
+           "strategies/replay_steps.py",
            "        if self.graph.param_grads_released:\n            for u in self.param_owners[v]:",
            "        if False:\n            for u in self.param_owners[v]:",
            ("tests/test_sharding.py::test_released_gradients_go_as_their_backward_ends_and_a_shared_ones_after_its_"
@@ -194,7 +194,7 @@ MUTANTS = [
            "runner=RUNNER, predicted=True)",
            ("tests/test_peers.py::test_compile_budget_rows",)),
     Mutant("a recomputed value no backward reads is held to the end of its stage's recomputation",
-           "harness/execute.py",
+           "harness/execute/layout.py",
            "frees=_frees(order, finals),",
            "frees=_frees(order, finals | {n.name for n in order}),",
            ("tests/test_accounting.py::test_each_recomputed_value_goes_when_the_replay_lets_it_go",)),
@@ -209,7 +209,7 @@ MUTANTS = [
            'DEVICE_PARTS = ("params", "grads", "activations", "host")',
            ("tests/test_swap.py::test_the_executor_moves_what_the_plan_says_and_the_peak_follows",)),
     Mutant("in the user's training loop, a recomputed dropout draws from wherever the generator is",
-           "harness/execute.py",
+           "harness/execute/side_effects.py",
            "        if node.name in self.rng_states:\n            set_rng_state(self.rng_states[node.name])\n",
            "",
            ("tests/test_train.py::test_twenty_adamw_steps_equal_plain_pytorch_training",)),

@@ -24,6 +24,7 @@ from tqdm import tqdm
 import strategies
 from harness import nets, peers
 from harness.bench.common import command_of, made_by, plt, save_figure
+from harness.bench.style import line_style, style
 from harness.results import is_number, label, read_row, write_row
 from harness.run import traced_net
 
@@ -155,16 +156,21 @@ def goals(table: pd.DataFrame) -> str:
 
 def figure(table: pd.DataFrame, net: str, path: Path, caption: str) -> None:
     cells = table[table.net == net].sort_values("budget GB")
+    if len(cells) < 2:  # a single budget is no curve: no figure
+        return
     fig, ax = plt.subplots(figsize=(9.5, 4.5))
     x = cells["budget GB"]
     ax.fill_between(x, cells["lower bound"], cells.best, color="0.85", label="between the bound and the best plan")
     ax.plot(x, cells.best, "k-", linewidth=2.5, label="best plan known (optimal where proven)")
     ax.plot(x, cells["lower bound"], "k--", linewidth=1, label="proven lower bound")
-    for name, options in STRATEGIES:
-        column = label(name, options)
-        values = pd.to_numeric(cells[column], errors="coerce")
-        if values.notna().any():
-            ax.plot(x, values, "o-", markersize=4, linewidth=1, label=column)
+    drawn = [(label(name, options), pd.to_numeric(cells[label(name, options)], errors="coerce"))
+             for name, options in STRATEGIES]
+    drawn = [(column, values) for column, values in drawn if values.notna().any()]
+    # Strategies often find the same plan: each line a little to the side of the last, so that none hides another.
+    step = 0.006 * ((x.max() - x.min()) or 1)
+    for k, (column, values) in enumerate(drawn):
+        ax.plot(x + (k - (len(drawn) - 1) / 2) * step, values, **style(column), linestyle=line_style(column),
+                markersize=5, linewidth=1, label=column)
     ax.set_xlabel("budget, GB (graph values; the replay's peak)")
     ax.set_ylabel("predicted recomputation overhead (cost units)")
     ax.set_title(f"{net}: overhead against budget, every strategy beside the best plan", fontsize=10)
