@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness import nets
 from harness.models import NotAModel
-from harness.results import cell_name
+from harness.results import Status, cell_name
 from harness.run import run_cell
 import strategies
 
@@ -34,7 +34,7 @@ def main(cfg: DictConfig) -> None:
                        shard=cfg.shard.value, optimizer=cfg.optimizer.value, plan_out=cfg.plan_out)
     except (NotAModel, ValueError, KeyError) as error:  # bad input, refused before anything is traced
         raise SystemExit(error.args[0] if isinstance(error, KeyError) else str(error)) from None
-    if row["status"] == "error":  # an Exception, not SystemExit: Hydra runs a sweep's other cells, then fails
+    if row["status"] == Status.ERROR:  # an Exception, not SystemExit: Hydra runs a sweep's other cells, then fails
         raise CellError(f"{cell_name(row)}: {row['error']}")
 
 

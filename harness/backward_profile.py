@@ -111,6 +111,14 @@ def gradients(probe: "Probe", output, loss_fn) -> tuple[dict, dict, dict, set[in
     finally:
         for handle in handles:
             handle.remove()
+    shares, work = _shares_and_work(probe, handed, through, received, working, sizes)
+    return shares, work, early, ran, {(g, h) for g, h, _, _ in handed}
+
+
+def _shares_and_work(probe: "Probe", handed: list, through: dict, received: dict, working: list,
+                     sizes: dict) -> tuple[dict, dict]:
+    """From what ``gradients`` saw in the backward: per group, the gradients it hands its predecessors that share
+    a buffer (``Graph.grad_shares``), and its working gradients (``Graph.backward_work_bytes``)."""
     passed: dict[int, dict[int, set[int]]] = {}  # group -> predecessor group -> storages its gradient is in
     outside: dict[int, set[int]] = {}  # group -> storages it handed on, as handed
     for g, h, target, key in handed:
@@ -133,7 +141,7 @@ def gradients(probe: "Probe", output, loss_fn) -> tuple[dict, dict, dict, set[in
                 by_storage.setdefault(next(iter(storages)), []).append(h)
         shares[g] = [(preds, -1 if key in received.get(g, ()) else sizes[key])
                      for key, preds in by_storage.items() if key in received.get(g, ()) or len(preds) > 1]
-    return shares, work, early, ran, {(g, h) for g, h, _, _ in handed}
+    return shares, work
 
 
 def backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set[str], example_input: torch.Tensor,

@@ -32,6 +32,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_seq
 import strategies
 from harness import compiled
 from harness.nets import FUNCTIONAL, MODEL_STEPS
+from strategies.plan import RUNNERS, Runner
 from strategies.torch_checkpoint_sequential import segment_starts
 
 
@@ -217,28 +218,37 @@ def compiled_step(model: nn.Module, example_input: torch.Tensor, loss_fn, budget
     return compiled.compiled_step(model, model, example_input, loss_fn, budget_ratio=budget_ratio)
 
 
+def _blocks_checkpointed(plan, model, structure, compile):
+    return model, partial(installed, checkpoint_forwards(model, structure["blocks"], plan.policy))
+
+
+def _attention_checkpointed(plan, model, structure, compile):
+    return partial(_with_attention_checkpointed, model), contextlib.nullcontext
+
+
+def _sequential_checkpointed(plan, model, structure, compile):
+    functions = sequential_functions(model, structure["sequence"], plan.segments)
+    # Compiled: dynamo skips checkpoint_sequential itself, so the same checkpoints, one call each.
+    return (partial(_checkpoint_segments if compile else _checkpoint_sequential, functions, plan.segments),
+            contextlib.nullcontext)
+
+
+# How each runner but torch.compile's own makes the step's forward, and the context it runs in.
+FORWARDS = {Runner.TORCH_CHECKPOINT: _blocks_checkpointed, Runner.TORCH_CHECKPOINT_ATTENTION: _attention_checkpointed,
+            Runner.TORCH_CHECKPOINT_SEQUENTIAL: _sequential_checkpointed}
+
+
 def step(plan, model: nn.Module, structure: dict[str, list[str]], example_input: torch.Tensor, loss_fn,
          compile: bool = False):
     """The training step (forward, loss, backward) that runs the peer ``plan``, under ``torch.compile`` with
     ``compile`` (``torch_compile_budget`` always is); returns the loss. A compiled recomputation happens in
     the backward graph, which updates no BatchNorm statistics: ``batchnorm_once`` is for eager steps."""
-    runner = plan.runner
-    if runner == "torch_compile":
-        return compiled_step(model, example_input, loss_fn, plan.info["budget_ratio"])
-    context = contextlib.nullcontext
-    if runner == "torch_checkpoint":
-        forwards = checkpoint_forwards(model, structure["blocks"], plan.policy)
-        forward, context = model, partial(installed, forwards)
-    elif runner == "torch_checkpoint_attention":
-        forward = partial(_with_attention_checkpointed, model)
-    elif runner == "torch_checkpoint_sequential":
-        segments = int(plan.info["segments"])
-        functions = sequential_functions(model, structure["sequence"], segments)
-
-        # Compiled: dynamo skips checkpoint_sequential itself, so the same checkpoints, one call each.
-        forward = partial(_checkpoint_segments if compile else _checkpoint_sequential, functions, segments)
-    else:
-        raise ValueError(f"no peer runner for plan {plan.strategy!r} (runner {runner!r})")
+    if plan.runner == Runner.TORCH_COMPILE:
+        return compiled_step(model, example_input, loss_fn, plan.budget_ratio)
+    if plan.runner not in FORWARDS:
+        raise ValueError(f"no peer runner for plan {plan.strategy!r} (runner {plan.runner!r}); valid: "
+                         f"{', '.join(RUNNERS)}")
+    forward, context = FORWARDS[plan.runner](plan, model, structure, compile)
     if compile:
         return compiled.compiled_step(forward, model, example_input, loss_fn, context=context)
 

@@ -23,6 +23,7 @@ from harness.results import write_atomically
 from harness.trace import meta_copy, on_meta
 from harness.traced import Traced
 from strategies import Plan, bits, members
+from strategies.plan import Runner
 
 FORMAT = 1
 
@@ -66,7 +67,8 @@ def save_plan(path: str | Path, plan: Plan, traced: Traced, example_input: torch
         "plan": {"stages": [members(stage) for stage in plan.stages], "kept": members(plan.kept),
                  "swapped": members(plan.swapped), "prefetch": [list(p) for p in plan.prefetch],
                  "checkpointed": members(plan.checkpointed), "selective": members(plan.selective),
-                 "runner": plan.runner, "policy": plan.policy, "predicted": plan.predicted},
+                 "runner": plan.runner, "policy": plan.policy, "predicted": plan.predicted,
+                 **{key: getattr(plan, key) for key in ("segments", "budget_ratio") if getattr(plan, key) is not None}},
         "graph": fingerprint(traced, example_input),
     }
     text = json.dumps(body, sort_keys=True)
@@ -97,8 +99,9 @@ def load_plan(path: str | Path, traced: Traced, example_input: torch.Tensor) -> 
     plan = Plan(strategy=body["strategy"], stages=tuple(bits(stage) for stage in fields["stages"]),
                 kept=bits(fields["kept"]), swapped=bits(fields["swapped"]),
                 prefetch=tuple(tuple(p) for p in fields["prefetch"]), checkpointed=bits(fields["checkpointed"]),
-                selective=bits(fields["selective"]), runner=fields["runner"], policy=fields["policy"],
-                predicted=fields["predicted"], budget_bytes=body["budget_bytes"])
+                selective=bits(fields["selective"]), runner=fields["runner"] and Runner(fields["runner"]),
+                policy=fields["policy"], predicted=fields["predicted"], budget_bytes=body["budget_bytes"],
+                segments=fields.get("segments"), budget_ratio=fields.get("budget_ratio"))
     plan.validate(traced.graph)
     return plan, {key: body[key] for key in ("strategy", "options", "budget_bytes", "predicted_peak_bytes")}
 

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import tempfile
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,25 @@ if TYPE_CHECKING:
     import pandas as pd
 
 SCHEMA_VERSION = 2  # 2: rows carry predicted_step_flops; resume re-runs rows of an older version
-STATUSES = ("ok", "oom", "infeasible", "timeout", "error")
+
+
+class Status(str, Enum):
+    """How a cell ended; a row's ``status`` (written as its value)."""
+
+    OK = "ok"  # measured
+    OOM = "oom"  # the device ran out of memory
+    INFEASIBLE = "infeasible"  # no plan of the strategy fits the budget (the row names the least), or it cannot run
+    TIMEOUT = "timeout"  # the solver ran out of its time
+    ERROR = "error"  # anything else: the row holds the exception
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+FINAL = (Status.OK, Status.OOM, Status.INFEASIBLE, Status.TIMEOUT)  # a resumed sweep runs these cells no more
 
 
 def cell_name(row: dict) -> str:

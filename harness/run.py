@@ -31,9 +31,10 @@ from harness.execute import execute
 from harness.measure import check_device, measure
 from harness.models import NotAModel
 from harness.plans import save_plan
-from harness.results import SCHEMA_VERSION, cell_name, read_row, write_row
+from harness.results import FINAL, SCHEMA_VERSION, Status, cell_name, read_row, write_row
 from harness.cost_models import check_cost_model
 from harness.trace import trace
+from strategies.plan import Runner
 from strategies.simulate import step_flops
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
                    optimizer=optimizer)
     if resume and results_dir is not None and (Path(results_dir) / cell_name(row)).exists():
         done = read_row(Path(results_dir) / cell_name(row))
-        final = done.get("status") in ("ok", "oom", "infeasible", "timeout")
+        final = done.get("status") in FINAL
         if final and done.get("schema_version") == SCHEMA_VERSION:
             log.info("%s: already measured (%s), skipped", cell_name(row), done["status"])
             return done
@@ -76,19 +77,19 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
     start = time.perf_counter()
     try:
         row.update(_measure_cell(row, plan_out))
-        row["status"] = "ok"
+        row["status"] = Status.OK
     except strategies.InfeasibleBudget as error:
-        row.update(status="infeasible", error=str(error), min_feasible_bytes=error.min_feasible_bytes)
+        row.update(status=Status.INFEASIBLE, error=str(error), min_feasible_bytes=error.min_feasible_bytes)
     except strategies.Inapplicable as error:
-        row.update(status="infeasible", error=str(error))
+        row.update(status=Status.INFEASIBLE, error=str(error))
     except strategies.SolverTimeout as error:
-        row.update(status="timeout", error=str(error))
+        row.update(status=Status.TIMEOUT, error=str(error))
     except torch.cuda.OutOfMemoryError as error:
-        row.update(status="oom", error=str(error).splitlines()[0])
+        row.update(status=Status.OOM, error=str(error).splitlines()[0])
     except NotAModel:  # bad input, found only once the factory has run: no row
         raise
     except Exception as error:  # recorded as an error row, so that a sweep goes on
-        row.update(status="error", error=f"{type(error).__name__}: {error}")
+        row.update(status=Status.ERROR, error=f"{type(error).__name__}: {error}")
         log.error("%s", traceback.format_exc())
     row["wall_time_s"] = time.perf_counter() - start
     if results_dir is not None:
@@ -153,7 +154,7 @@ def _traced_for(row: dict) -> SimpleNamespace:
     """``traced_net`` of ``row``'s net, kept between meta cells that do not compile (NOTE [traces kept between
     cells])."""
     args = (row["net"], row["batch_size"], row["image_size"], row["device"], row["dtype"], row["cost_model"])
-    compiles = row["compiled"] or getattr(strategies.module(row["strategy"]), "RUNNER", None) == "torch_compile"
+    compiles = row["compiled"] or getattr(strategies.module(row["strategy"]), "RUNNER", None) == Runner.TORCH_COMPILE
     if row["device"] != "meta" or compiles:
         return traced_net(*args, **row["net_options"])
     key = (*args, json.dumps(row["net_options"], sort_keys=True, default=repr))
@@ -259,7 +260,7 @@ def _measure_built(row: dict, cell: SimpleNamespace) -> dict:
         measured = {**dict.fromkeys(_MEASURED),
                     "method": "not run: the executor runs stage plans, not general (R, S) schedules"}
     else:
-        compiled = row["compiled"] or plan.runner == "torch_compile"
+        compiled = row["compiled"] or plan.runner == Runner.TORCH_COMPILE
         measured = _measured(measure(cell.step, cell.model, (cell.example_input,), row["device"],
                                      row["warmup_steps"], row["timed_steps"], compiled=compiled))
         measured["compile_time_s"] = getattr(cell.step, "compile_time_s", None)
@@ -362,7 +363,7 @@ def summary(row: dict, tokens: bool = False) -> str:
         size += f", {row['dtype']}"
     head = (f"{row['net']} / {row['strategy']}: batch {row['batch_size']}, {size}, device {row['device']} -> "
             f"{row['status']}")
-    if row["status"] != "ok":
+    if row["status"] != Status.OK:
         return f"{head}\n  {row.get('error', '')}"
     if row.get("measured_peak_bytes") is None:
         measured_part = f"  measured: {row['method']}"

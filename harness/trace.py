@@ -1,9 +1,10 @@
 """Trace a module into the IR: torch.fx at layer granularity, sizes from a run on the meta device.
 
-The jobs, one module each: ``harness.tracer`` records the program (fx), ``harness.probe`` runs it on meta and
-groups its calls into IR nodes, ``harness.backward_profile`` measures the backward and the loss,
-``harness.cost_models`` weighs each layer, and ``harness.traced`` holds the record they make. The RNG and
-state helpers the executors share are in ``harness.state``.
+The jobs, one module each: ``harness.tracer`` records the program (fx; ``harness.attention``, the attention kernel
+the device will run), ``harness.probe`` runs it on meta and groups its calls into IR nodes,
+``harness.backward_profile`` measures the backward and the loss, ``harness.cost_models`` weighs each layer, and
+``harness.traced`` holds the record they make. The RNG and state helpers the executors share are in
+``harness.state``.
 
 NOTE [values held outside the program]
 A plan decides when each value goes; that promise breaks if something outside the traced program holds
@@ -53,7 +54,8 @@ from torch.utils._pytree import tree_leaves
 from harness.nets import sum_loss
 from harness.traced import TraceFailure, Traced, describe
 from harness.cost_models import CostModel, check_cost_model, measured_costs
-from harness.tracer import AUGMENTED, attention_as_on, symbolic_trace
+from harness.attention import attention_as_on
+from harness.tracer import AUGMENTED, symbolic_trace
 from harness.probe import CopyFirst, Probe, nodes_after, non_leaf_attributes, storage_of
 from harness.backward_profile import backward_peaks, gradients, loss_fields
 

@@ -7,6 +7,8 @@ its chains are a subset. At most |V| + 2 lower sets, so O(|V|² · t(V)) at wors
 
 from __future__ import annotations
 
+import dataclasses
+
 from strategies.graph import Graph, words_of
 from strategies.lower_set_dp import Options, solve_family
 from strategies.lower_sets import principal_lower_sets
@@ -21,5 +23,4 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
     options = options or Options()
     family = words_of(principal_lower_sets(graph), len(graph))
     plan = solve_family(graph, family, budget_bytes, options.mode, "approx_dp", memory_model=options.memory_model)
-    plan.info["lower_sets"] = len(family)
-    return plan
+    return dataclasses.replace(plan, info={**plan.info, "lower_sets": len(family)})

@@ -11,6 +11,7 @@ memory) that fits ``budget_bytes`` wins. No split point: one segment. O(|V|) per
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -47,9 +48,7 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
     best = min(tried, key=lambda t: (peaks[t], t))
     if budget_bytes is not None and peaks[best] > budget_bytes:
         raise InfeasibleBudget(budget_bytes, peaks[best], "chen_greedy")
-    plan = tried[best]
-    plan.info["threshold_bytes"] = best
-    return plan
+    return dataclasses.replace(tried[best], info={**tried[best].info, "threshold_bytes": best})
 
 
 def _greedy(graph: Graph, points: set[int], threshold: int, budget_bytes: int | None):

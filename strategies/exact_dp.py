@@ -13,6 +13,7 @@ before its supersets and no transition is missed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -82,5 +83,4 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
                             memory_model=options.memory_model, check=check, deadline=deadline, starts=approx_plan)
     except TimeoutError:
         raise out_of_time(f"{len(family):,}") from None
-    plan.info["lower_sets"] = len(family)
-    return plan
+    return dataclasses.replace(plan, info={**plan.info, "lower_sets": len(family)})

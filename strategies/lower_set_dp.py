@@ -239,6 +239,12 @@ def best_chain(table: Table, budget: float, mode: str, deadline: float = math.in
     return chain[::-1]
 
 
+def _check_mode(mode: str, strategy: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"{strategy}: unknown mode {mode!r}; valid modes: tc (time-centric, least overhead), "
+                         "mc (memory-centric, most overhead)")
+
+
 def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode: str, strategy: str,
                  upper_bytes: int | None = None, memory_model: str = "traced", check=None,
                  deadline: float = math.inf, starts=lambda: ()) -> Plan:
@@ -248,9 +254,7 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
     stop the search (``exact_dp``'s time limit), and a pass stops past ``deadline``, raising ``TimeoutError``.
     In mode mc the least plan is searched for in the replay (NOTE [the least replay]); ``starts``, called only then:
     plans of chains of the family (``exact_dp``: ``approx_dp``'s) that it is chosen among too."""
-    if mode not in MODES:
-        raise ValueError(f"{strategy}: unknown mode {mode!r}; valid modes: tc (time-centric, least overhead), "
-                         "mc (memory-centric, most overhead)")
+    _check_mode(mode, strategy)
     counted = dp_view(graph, memory_model)
     table = prepare(counted, words)
     param_grads = sum(graph.param_bytes)  # simulate adds these; the DP's budget leaves them out
@@ -312,8 +316,9 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
     if paper is not None:
         paper_peak = simulate(graph, paper).peak_bytes
         if paper_peak < peak:
-            paper.info.update(memory_model="traced", minimal_plan_from="paper")
-            plan, peak = dataclasses.replace(paper, budget_bytes=budget_bytes), paper_peak
+            plan = dataclasses.replace(paper, budget_bytes=budget_bytes,
+                                       info={**paper.info, "memory_model": "traced", "minimal_plan_from": "paper"})
+            peak = paper_peak
     if budget_bytes is None:
         return plan
     if peak > budget_bytes:  # the minimum reported: any budget at or above it is met

@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from strategies.graph import Graph
-from strategies.plan import Inapplicable, Plan
+from strategies.plan import Inapplicable, Plan, Runner
 from strategies.simulate import check_budget
 
 BUDGET_LIVENESS = True
-RUNNER = "torch_checkpoint_attention"  # harness/peers.py runs plans that carry it
+RUNNER = Runner.TORCH_CHECKPOINT_ATTENTION  # harness/peers.py runs plans that carry it
 
 
 @dataclass(frozen=True, slots=True)

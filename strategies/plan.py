@@ -38,9 +38,23 @@ class InfeasibleBudget(ValueError):
         super().__init__(f"{who}no plan fits a budget of {budget_bytes} bytes; {known}")
 
 
-# The peers' own steps (harness/peers.py): checkpoint around blocks, checkpoint_sequential, torch.compile's budget,
-# checkpoint around each attention core.
-RUNNERS = ("torch_checkpoint", "torch_checkpoint_sequential", "torch_compile", "torch_checkpoint_attention")
+class Runner(str, Enum):
+    """What runs a plan's step where it is not this project's executor: a PyTorch peer's own step
+    (``harness/peers.py``, one entry a runner)."""
+
+    TORCH_CHECKPOINT = "torch_checkpoint"  # checkpoint around each block, with the plan's selective policy if any
+    TORCH_CHECKPOINT_SEQUENTIAL = "torch_checkpoint_sequential"  # checkpoint_sequential, in ``segments`` segments
+    TORCH_COMPILE = "torch_compile"  # torch.compile's activation_memory_budget, at ``budget_ratio``
+    TORCH_CHECKPOINT_ATTENTION = "torch_checkpoint_attention"  # checkpoint around each attention core
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+RUNNERS = tuple(runner.value for runner in Runner)
 # Selective checkpointing policies a ``torch_checkpoint`` runner applies in each block (harness/peers.py): "ops" saves
 # the outputs of matmuls and fused attention kernels, "ops_every_second_mm" skips every second matmul of a block.
 POLICIES = ("ops", "ops_every_second_mm")
@@ -65,7 +79,8 @@ class Plan:
     values a selective checkpointing ``policy`` (``POLICIES``) saves: held from the forward, handed back to
     the stage's recomputation instead of being computed again, and with them what their layers saved (NOTE
     [selective checkpointing] in ``strategies/replay.py``). ``runner`` names what runs the step where it is not
-    this project's executor (``RUNNERS``: a PyTorch peer runs the model itself), and ``predicted`` is False
+    this project's executor (``Runner``: a PyTorch peer runs the model itself; ``segments`` and ``budget_ratio`` are
+    its settings), and ``predicted`` is False
     where the plan's memory is decided out of the IR's sight (``torch.compile``'s own partitioner), so the
     simulator has nothing to predict.
     """
@@ -80,17 +95,20 @@ class Plan:
     schedule: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     prefetch: tuple[tuple[int, int], ...] = ()
     checkpointed: int = 0
-    runner: str | None = None  # None: the executor (eager, or compiled with compile=true)
+    runner: Runner | None = None  # None: the executor (eager, or compiled with compile=true)
     predicted: bool = True
     selective: int = 0
     policy: str | None = None  # the runner's selective checkpointing policy (POLICIES), with ``selective``
+    segments: int | None = None  # Runner.TORCH_CHECKPOINT_SEQUENTIAL's
+    budget_ratio: float | None = None  # Runner.TORCH_COMPILE's activation_memory_budget
 
     @classmethod
     def from_stages(cls, graph: Graph, stages: Iterable[Iterable[int] | int], *, strategy: str = "manual",
                     kept: Iterable[int] | int | None = None, budget_bytes: int | None = None,
                     solve_time_s: float = 0.0, info: dict[str, float] | None = None,
-                    checkpointed: int = 0, runner: str | None = None, predicted: bool = True,
-                    selective: Iterable[int] | int = 0, policy: str | None = None) -> "Plan":
+                    checkpointed: int = 0, runner: Runner | str | None = None, predicted: bool = True,
+                    selective: Iterable[int] | int = 0, policy: str | None = None, segments: int | None = None,
+                    budget_ratio: float | None = None) -> "Plan":
         """A plan from its stages; ``kept`` defaults to the canonical cache ``U_k`` (Kusumoto et al. 2019)."""
         masks = tuple(s if isinstance(s, int) else bits(s) for s in stages)
         if kept is None:
@@ -102,9 +120,10 @@ class Plan:
         if policy is not None and policy not in POLICIES:
             raise ValueError(f"Plan: unknown selective checkpointing policy {policy!r}; valid: {', '.join(POLICIES)}")
         plan = cls(strategy=strategy, stages=masks, kept=kept_mask, budget_bytes=budget_bytes,
-                   solve_time_s=solve_time_s, info=dict(info or {}), checkpointed=checkpointed, runner=runner,
-                   predicted=predicted, selective=selective if isinstance(selective, int) else bits(selective),
-                   policy=policy)
+                   solve_time_s=solve_time_s, info=dict(info or {}), checkpointed=checkpointed,
+                   runner=None if runner is None else Runner(runner), predicted=predicted,
+                   selective=selective if isinstance(selective, int) else bits(selective), policy=policy,
+                   segments=segments, budget_ratio=budget_ratio)
         plan.validate(graph)
         return plan
 

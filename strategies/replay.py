@@ -265,79 +265,96 @@ def _backward(graph: Graph, facts: _Facts, frame_holds: dict[int, list[int]]) ->
     discarded values (NOTE [what a recomputation makes]), swapped values fetched at their ``prefetch``
     node, and every value freed as its last reader finishes (``_Residency``). ``frame_holds``: where a
     checkpointed stage's inputs go (``_frame_holds``)."""
-    plan, n, stage_of, copy = facts.plan, facts.n, facts.stage_of, facts.copy
-    discarded, rebuilt, in_checkpoint = facts.discarded, facts.rebuilt, facts.in_checkpoint
-    live = _Residency(facts, frame_holds)
-    present, readers_left = live.present, live.readers_left
-    fetched_at: dict[int, list[int]] = {}  # backward node (-1: the start) -> the swapped values it fetches
-    for u, trigger in plan.prefetch:
-        if facts.readers[u]:
-            fetched_at.setdefault(trigger, []).append(u)
-    gradients = _Gradients(graph)
-    steps = []
+    backward = _BackwardPass(graph, facts, frame_holds)
+    backward.turn()
+    for v in reversed(facts.order):
+        if graph.reached[v]:  # else its backward never runs
+            backward.layer(v)
+    backward.steps.append(_end(graph, backward.gradients))
+    return backward.steps
 
-    def fetch(trigger):
-        for u in fetched_at.get(trigger, ()):
-            present[u] = True
-        return [((Buffer.VALUE, u), graph.mem_bytes[u]) for u in fetched_at.get(trigger, ())]
 
-    fetched = fetch(-1)
-    recomputed = set()
-    backward_done = set()
-    never = graph.never_recomputed()
-    extras_present = [bool(graph.saves_more(v) and (plan.kept & ~in_checkpoint | plan.selective) >> v & 1
-                           and graph.reached[v])
-                      for v in range(n)]
+class _BackwardPass:
+    """The state of ``_backward`` as it goes: what is live (``_Residency``), the stages recomputed, the layers whose
+    backward has run, whose extras are held, and the steps so far."""
 
-    def recompute(stages):
-        for s in sorted(stages - recomputed):
-            recomputed.add(s)
+    def __init__(self, graph: Graph, facts: _Facts, frame_holds: dict[int, list[int]]):
+        self.graph, self.facts, self.frame_holds = graph, facts, frame_holds
+        plan = facts.plan
+        self.live = _Residency(facts, frame_holds)
+        self.fetched_at: dict[int, list[int]] = {}  # backward node (-1: the start) -> the swapped values it fetches
+        for u, trigger in plan.prefetch:
+            if facts.readers[u]:
+                self.fetched_at.setdefault(trigger, []).append(u)
+        self.gradients = _Gradients(graph)
+        self.steps: list[Step] = []
+        self.recomputed: set[int] = set()
+        self.backward_done: set[int] = set()
+        self.never = graph.never_recomputed()
+        self.extras_present = [bool(graph.saves_more(v) and (plan.kept & ~facts.in_checkpoint | plan.selective) >> v & 1
+                                    and graph.reached[v])
+                               for v in range(facts.n)]
+
+    def fetch(self, trigger: int) -> list:
+        for u in self.fetched_at.get(trigger, ()):
+            self.live.present[u] = True
+        return [((Buffer.VALUE, u), self.graph.mem_bytes[u]) for u in self.fetched_at.get(trigger, ())]
+
+    def recompute(self, stages: set[int]) -> None:
+        graph, facts, plan, n = self.graph, self.facts, self.facts.plan, self.facts.n
+        discarded, readers_left = facts.discarded, self.live.readers_left
+        for s in sorted(stages - self.recomputed):
+            self.recomputed.add(s)
             made = plan.stages[s] & discarded
             if not plan.checkpointed >> s & 1:  # NOTE [what a recomputation makes]
                 wanted = bits(u for u in members(made) if readers_left[u]
-                              or graph.reached[u] and graph.saves_more(u) and u not in backward_done)
+                              or graph.reached[u] and graph.saves_more(u) and u not in self.backward_done)
                 made = graph.with_inputs_within(wanted, made)
-                unmade = [u for u in members(plan.stages[s] & discarded & ~made & ~never)
+                unmade = [u for u in members(plan.stages[s] & discarded & ~made & ~self.never)
                           if graph.recompute_state_bytes[u]]
                 if unmade:  # the state their forward calls found goes
-                    steps.append(Step(-1, Phase.RECOMPUTE, (), tuple((Buffer.STATE, u) for u in unmade)))
-            nodes = members(made) + [u + n for u in members(plan.stages[s] & rebuilt)]
+                    self.steps.append(Step(-1, Phase.RECOMPUTE, (), tuple((Buffer.STATE, u) for u in unmade)))
+            nodes = members(made) + [u + n for u in members(plan.stages[s] & facts.rebuilt)]
             if plan.checkpointed >> s & 1:  # early stop: nothing after the last layer that saves
                 end = _rerun_end(graph, plan.stages[s])
                 nodes = [w for w in nodes if w % n < end]
             nodes.sort(key=lambda w: w % n)
-            steps.extend(_recompute_stage(graph, facts, s, nodes, live))
+            self.steps.extend(_recompute_stage(graph, facts, s, nodes, self.live))
             for w in nodes:
-                extras_present[w % n] = bool(graph.saves_more(w % n) and graph.reached[w % n])
+                self.extras_present[w % n] = bool(graph.saves_more(w % n) and graph.reached[w % n])
 
-    # The loss's backward reads the outputs it saved; one the plan discarded comes back with its stage, on
-    # top of the loss's value and the seed gradient ``backward`` made first.
-    read_back = {stage_of[u] for u in graph.loss_reads if not present[u]}
-    unpacking = graph.loss_unpack_bytes - graph.loss_held_bytes if read_back else 0
-    if read_back and (graph.loss_held_bytes or unpacking > 0):
-        held = [((Buffer.LOSS_HELD, -1), graph.loss_held_bytes)] if graph.loss_held_bytes else []
-        held += [((Buffer.LOSS_UNPACKING, -1), unpacking)] if unpacking > 0 else []
-        steps.append(Step(-1, Phase.BACKWARD, tuple(held), ()))
-    recompute(read_back)
-    if unpacking > 0:
-        steps.append(Step(-1, Phase.BACKWARD, (), ((Buffer.LOSS_UNPACKING, -1),)))
-    turn = _turn(graph, gradients, fetched, loss_held=not (read_back and graph.loss_held_bytes))
-    frees = list(turn.frees)
-    for u in graph.loss_reads:
-        live.read(u, frees)
-    steps.append(dataclasses.replace(turn, frees=tuple(frees)))
+    def turn(self) -> None:
+        """The loss's backward. It reads the outputs it saved; one the plan discarded comes back with its stage, on
+        top of the loss's value and the seed gradient ``backward`` made first."""
+        graph, present = self.graph, self.live.present
+        fetched = self.fetch(-1)
+        read_back = {self.facts.stage_of[u] for u in graph.loss_reads if not present[u]}
+        unpacking = graph.loss_unpack_bytes - graph.loss_held_bytes if read_back else 0
+        if read_back and (graph.loss_held_bytes or unpacking > 0):
+            held = [((Buffer.LOSS_HELD, -1), graph.loss_held_bytes)] if graph.loss_held_bytes else []
+            held += [((Buffer.LOSS_UNPACKING, -1), unpacking)] if unpacking > 0 else []
+            self.steps.append(Step(-1, Phase.BACKWARD, tuple(held), ()))
+        self.recompute(read_back)
+        if unpacking > 0:
+            self.steps.append(Step(-1, Phase.BACKWARD, (), ((Buffer.LOSS_UNPACKING, -1),)))
+        turn = _turn(graph, self.gradients, fetched, loss_held=not (read_back and graph.loss_held_bytes))
+        frees = list(turn.frees)
+        for u in graph.loss_reads:
+            self.live.read(u, frees)
+        self.steps.append(dataclasses.replace(turn, frees=tuple(frees)))
 
-    for v in reversed(facts.order):
-        if not graph.reached[v]:  # its backward never runs
-            continue
-        fetched = fetch(v)
+    def layer(self, v: int) -> None:
+        """The backward of layer ``v``: what it fetches, the recomputation it calls for, its gradients."""
+        graph, facts, live, steps = self.graph, self.facts, self.live, self.steps
+        present, stage_of, copy, n = live.present, facts.stage_of, facts.copy, facts.n
+        fetched = self.fetch(v)
         if fetched:
             steps.append(Step(v, Phase.SWAP_IN, tuple(fetched), ()))
         reads = [copy(u, v) for u in graph.backward_reads[v]]
         own = copy(v, v)  # the value v's in-place members read
         work = _working(graph, v)
         if own in reads and not present[own]:
-            recompute({stage_of[v]})
+            self.recompute({stage_of[v]})
         in_place_first = _in_place_first(graph, v, work)
         held = 0
         if in_place_first:
@@ -352,13 +369,13 @@ def _backward(graph: Graph, facts: _Facts, frame_holds: dict[int, list[int]]) ->
             # In-place members that hand a gradient on (``out += identity`` after a batch norm, then a
             # ReLU) make it here too (``Graph.early_grads``), before the rest of the layer reads its inputs.
             reads = [u for u in reads if u != own]
-            made, early, held = gradients.in_place_members(v, work)
+            made, early, held = self.gradients.in_place_members(v, work)
             live.read(own, early)
             steps.append(Step(v, Phase.BACKWARD, tuple(made), tuple(early), call=False))
         missing = {stage_of[u % n] for u in reads if not present[u]}
-        assert all(present[u] for u in reads if plan.swapped >> u & 1), \
+        assert all(present[u] for u in reads if facts.plan.swapped >> u & 1), \
             f"simulator: the backward of node {v} reads a swapped value before its prefetch"
-        extras_missing = bool(graph.saves_more(v) and not extras_present[v])
+        extras_missing = bool(graph.saves_more(v) and not self.extras_present[v])
         if extras_missing:
             missing.add(stage_of[v])
         # The layer's backward may run a while before it unpacks what it must wait for (NOTE [a layer's
@@ -369,26 +386,29 @@ def _backward(graph: Graph, facts: _Facts, frame_holds: dict[int, list[int]]) ->
                                     else not present[copy(u, v)]) - held if missing else 0
         if unpacking:
             steps.append(Step(v, Phase.BACKWARD, (((Buffer.UNPACKING, v), unpacking),), (), call=False))
-        recompute(missing)
+        self.recompute(missing)
         if unpacking:
             steps.append(Step(v, Phase.BACKWARD, (), ((Buffer.UNPACKING, v),), call=False))
-        allocs, frees = gradients.backward(v, _after_members(graph, v) if in_place_first else None)
-        allocs += gradients.params(v, frees)
+        self.finish(v, reads, work, held, in_place_first)
+
+    def finish(self, v: int, reads: list[int], work: int, held: int, in_place_first: bool) -> None:
+        """Layer ``v``'s gradients made, what it read let go of, its extras and working gradients gone."""
+        graph, live = self.graph, self.live
+        allocs, frees = self.gradients.backward(v, _after_members(graph, v) if in_place_first else None)
+        allocs += self.gradients.params(v, frees)
         if work and not in_place_first:
             allocs.append(((Buffer.WORK, v), work))
-        for u in reads + frame_holds.get(v, []):
+        for u in reads + self.frame_holds.get(v, []):
             live.read(u, frees)
         released = {key[1] for key in frees if key[0] == Buffer.VALUE}
         allocs += _to_measured_peak(graph, v, held + sum(size for _, size in allocs), frees, released)
         if work:
             frees.append((Buffer.WORK, v))
-        if extras_present[v]:
+        if self.extras_present[v]:
             frees += [(Buffer.EXTRA, v)] if graph.saved_extra_bytes[v] else []
-            extras_present[v] = False
-        steps.append(Step(v, Phase.BACKWARD, tuple(allocs), tuple(frees)))
-        backward_done.add(v)
-    steps.append(_end(graph, gradients))
-    return steps
+            self.extras_present[v] = False
+        self.steps.append(Step(v, Phase.BACKWARD, tuple(allocs), tuple(frees)))
+        self.backward_done.add(v)
 
 
 def forward_order(graph: Graph, stage_of: list[int]) -> list[int]:

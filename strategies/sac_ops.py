@@ -21,12 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from strategies.graph import Graph, members
-from strategies.plan import Inapplicable, Plan, canonical_cache
+from strategies.plan import Inapplicable, Plan, Runner, canonical_cache
 from strategies.simulate import check_budget
 from strategies.torch_checkpoint_blocks import block_stages
 
 BUDGET_LIVENESS = True
-RUNNER = "torch_checkpoint"  # harness/peers.py runs plans that carry it, with the plan's policy
+RUNNER = Runner.TORCH_CHECKPOINT  # harness/peers.py runs plans that carry it, with the plan's policy
 
 
 @dataclass(frozen=True, slots=True)

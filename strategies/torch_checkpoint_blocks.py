@@ -14,11 +14,11 @@ import re
 from dataclasses import dataclass
 
 from strategies.graph import Graph
-from strategies.plan import Plan
+from strategies.plan import Plan, Runner
 from strategies.simulate import check_budget
 
 BUDGET_LIVENESS = True
-RUNNER = "torch_checkpoint"  # harness/peers.py runs plans that carry it
+RUNNER = Runner.TORCH_CHECKPOINT  # harness/peers.py runs plans that carry it
 
 
 @dataclass(frozen=True, slots=True)

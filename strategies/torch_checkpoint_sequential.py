@@ -16,11 +16,11 @@ import math
 from dataclasses import dataclass
 
 from strategies.graph import Graph
-from strategies.plan import Inapplicable, Plan, canonical_cache
+from strategies.plan import Inapplicable, Plan, Runner, canonical_cache
 from strategies.simulate import check_budget
 
 BUDGET_LIVENESS = True
-RUNNER = "torch_checkpoint_sequential"  # harness/peers.py runs plans that carry it
+RUNNER = Runner.TORCH_CHECKPOINT_SEQUENTIAL  # harness/peers.py runs plans that carry it
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +67,7 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
     stages = tuple(s for s in stages if s)
     kept = canonical_cache(graph, stages) | stages[-1]  # the last segment runs outside checkpoint
     plan = Plan.from_stages(graph, stages, strategy="torch_checkpoint_sequential", kept=kept,
-                            budget_bytes=budget_bytes, info={"segments": segments}, runner=RUNNER,
+                            budget_bytes=budget_bytes, info={"segments": segments}, runner=RUNNER, segments=segments,
                             checkpointed=(1 << (len(stages) - 1)) - 1)  # all but the last
     check_budget(graph, plan, budget_bytes)
     return plan

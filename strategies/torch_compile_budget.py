@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from strategies.graph import Graph
-from strategies.plan import Plan
+from strategies.plan import Plan, Runner
 
 BUDGET_LIVENESS = True
-RUNNER = "torch_compile"  # harness/peers.py runs plans that carry it
+RUNNER = Runner.TORCH_COMPILE  # harness/peers.py runs plans that carry it
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,4 +34,5 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
         raise ValueError("torch_compile_budget takes budget_ratio, a fraction of the activations, not a byte "
                          "budget; leave budget=null")
     return Plan.from_stages(graph, [graph.all_nodes], strategy="torch_compile_budget", kept=graph.all_nodes,
-                            info={"budget_ratio": options.budget_ratio}, runner=RUNNER, predicted=False)
+                            info={"budget_ratio": options.budget_ratio}, runner=RUNNER, predicted=False,
+                            budget_ratio=options.budget_ratio)

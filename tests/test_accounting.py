@@ -390,7 +390,7 @@ def test_attention_is_traced_as_the_cpu_runs_it():
     # device]; a learned mask, a relative position bias, keeps the math path), and every plan is exact and
     # measured as replayed.
     from harness.exact import compare
-    from harness.tracer import attention_on_cpu
+    from harness.attention import attention_on_cpu
 
     def saved(attention, device, **options):
         q, k, v = (torch.randn(2, 4, 9, 8, device=device, requires_grad=True) for _ in range(3))

@@ -18,7 +18,8 @@ from strategies.brute_force import every_plan
 from test_dp import small_dags
 
 cp_model = pytest.importorskip("ortools.sat.python.cp_model")
-from strategies.optimal import _Relaxation, finest, nothing_reads, solver_of  # noqa: E402
+from strategies.optimal import finest  # noqa: E402
+from strategies.optimal_model import _Relaxation, nothing_reads, solver_of  # noqa: E402
 from strategies.replay import peak_layer, timeline  # noqa: E402
 
 

@@ -31,6 +31,7 @@ from harness import nets  # noqa: E402
 from harness.bench.common import add_rows_options, command_of, made_by, save_figure  # noqa: E402
 from harness.bench.frontier import Cells  # noqa: E402
 from harness.cost_models import COST_MODELS  # noqa: E402
+from harness.results import Status  # noqa: E402
 
 SIZES = {"cpu": ("resnet50", 8, 128), "cuda": ("resnet152", 128, 224)}  # net, batch, side by default
 
@@ -39,7 +40,7 @@ def table(vanilla: dict, cells: list[tuple[int, str, dict]]) -> pd.DataFrame:
     base_ms, base_flops = vanilla["step_time_ms"], vanilla["predicted_step_flops"]
     out = []
     for budget, cost_model, row in cells:
-        ran = row if row.get("status") == "ok" else {}
+        ran = row if row.get("status") == Status.OK else {}
 
         def per(field, scale):  # the run's ``field`` over ``scale``; None where it did not run
             return None if ran.get(field) is None else ran[field] / scale
@@ -110,7 +111,7 @@ def main(argv=None) -> None:
     cells = Cells(args.net, args.batch, args.side, args.device, args.rows, args.from_rows, args.timed_steps, progress)
     vanilla = cells.run("vanilla", compile=args.compile)
     least = cells.run("approx_dp", budget=1, compile=args.compile).get("min_feasible_bytes")
-    if vanilla.get("status") != "ok" or least is None:
+    if vanilla.get("status") != Status.OK or least is None:
         raise SystemExit(f"{args.net}: vanilla gave {vanilla.get('status')} ({vanilla.get('error', '')}); "
                          f"approx_dp's minimum: {least}")
     top = vanilla["measured_peak_bytes"]

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from harness.bench.common import command_of, made_by
 from harness import nets
-from harness.results import label, load_results
+from harness.results import Status, label, load_results
 from harness.run import run_cell
 
 GB = 1e9
@@ -39,7 +39,7 @@ def cells(net: str, batch: int, rows_dir: Path) -> list[dict]:
             for strategy, options in UNBUDGETED]
     least = next(r for r in done if r["strategy"] == "approx_dp" and r["options"]["mode"] == "mc")
     vanilla = next(r for r in done if r["strategy"] == "vanilla")
-    if least["status"] != "ok" or vanilla["status"] != "ok":
+    if least["status"] != Status.OK or vanilla["status"] != Status.OK:
         return done
     budget = (least["measured_peak_bytes"] + vanilla["measured_peak_bytes"]) // 2
     return done + [run_cell(net, strategy, batch_size=batch, options=options, budget=budget, results_dir=rows_dir,
@@ -51,14 +51,14 @@ def table(rows: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     out = []
     for row in rows.itertuples():
         measured, predicted, budget = row.measured_peak_bytes, row.predicted_peak_bytes, row.budget_bytes
-        ok = row.status == "ok" and pd.notna(measured) and pd.notna(predicted)
+        ok = row.status == Status.OK and pd.notna(measured) and pd.notna(predicted)
         out.append({
             "net": row.net, "batch": row.batch_size, "strategy": label(row.strategy, row.options),
             "budget GB": budget / GB if pd.notna(budget) else None,
             "predicted GB": predicted / GB if ok else None, "measured GB": measured / GB if ok else None,
             "gap": (measured - predicted) / measured if ok else None,
             "overshoot": ("yes" if ok and pd.notna(budget) and measured > budget else
-                          "" if ok or row.status != "infeasible" else "infeasible"),
+                          "" if ok or row.status != Status.INFEASIBLE else "infeasible"),
             "status": row.status,
         })
     table = pd.DataFrame(out).sort_values(["net", "batch", "strategy", "budget GB"], na_position="first")

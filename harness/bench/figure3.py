@@ -34,7 +34,7 @@ from harness.bench.common import add_rows_options, command_of, made_by, save_fig
 from harness.bench.style import line_style, style  # noqa: E402
 from harness.budget import parse_budget  # noqa: E402
 from harness.bench.max_batch import fits, run_within  # noqa: E402
-from harness.results import DEVICE_TIME_NOTE, device_time, label  # noqa: E402
+from harness.results import DEVICE_TIME_NOTE, Status, device_time, label  # noqa: E402
 
 BATCHES = {"resnet152": [16, 32, 48, 64, 96, 128, 160, 192, 224, 256], "pspnet": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}
 CURVES = [("vanilla", {}), ("approx_dp", {"mode": "tc"}), ("approx_dp", {"mode": "mc"}), ("chen_sqrt", {})]
@@ -52,11 +52,11 @@ def points(rows: pd.DataFrame, memory: int) -> pd.DataFrame:
     out = []
     for _, row in rows.iterrows():
         field, _ = time_axis(row.device)
-        value = row.get(field) if row.status == "ok" else None
+        value = row.get(field) if row.status == Status.OK else None
         scale = 1e-12 if field == "predicted_step_flops" else 1.0
         out.append({"net": row.net, "curve": label(row.strategy, row.options), "batch": int(row.batch_size),
                     "status": row.status, "fits": fits(row.to_dict(), memory),
-                    "peak GB": row.get("measured_peak_bytes", float("nan")) / 1e9 if row.status == "ok" else None,
+                    "peak GB": row.get("measured_peak_bytes", float("nan")) / 1e9 if row.status == Status.OK else None,
                     "time": value * scale if value is not None and not pd.isna(value) else None,
                     "device": row.device, **(device_time(row) if row.device == "cuda" else {})})
     return pd.DataFrame(out).sort_values(["net", "curve", "batch"])

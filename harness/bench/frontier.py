@@ -44,7 +44,7 @@ from harness.bench.common import add_rows_options, command_of, made_by, save_fig
 from harness.bench.style import style  # noqa: E402
 from harness import nets  # noqa: E402
 from harness.budget import parse_budget  # noqa: E402
-from harness.results import DEVICE_TIME_NOTE, device_time, label, read_row, stored_path  # noqa: E402
+from harness.results import DEVICE_TIME_NOTE, Status, device_time, label, read_row, stored_path  # noqa: E402
 from harness.run import run_cell  # noqa: E402
 
 NETS = {"resnet152": (128, 224), "pspnet": (8, 712), "gpt2": (8, 1024), "llama_1b": (4, 2048), "llama_8b": (1, 4096)}
@@ -106,7 +106,7 @@ def net_points(cells: Cells, dp_points: int, swap_points: int, strategies=None, 
 
     vanilla = cells.run("vanilla")
     middle = None
-    if vanilla.get("status") == "ok":
+    if vanilla.get("status") == Status.OK:
         top = vanilla["measured_peak_bytes"]
         for strategy, count, runs in (("approx_dp", dp_points, compiles()), ("swap", swap_points, compiles((False,)))):
             if not wanted(strategy) or not runs:
@@ -155,7 +155,7 @@ def points(rows: list[dict], device: str) -> pd.DataFrame:
     field, scale, _ = time_axis(device)
     out = []
     for row in rows:
-        ok = row.get("status") == "ok" and row.get("measured_peak_bytes") is not None and row.get(field) is not None
+        ok = row.get("status") == Status.OK and row.get("measured_peak_bytes") is not None and row.get(field) is not None
         out.append({"net": row["net"], "point": row["point"], "strategy": row["strategy"],
                     "compiled": bool(row.get("compiled")) or row["strategy"] == "torch_compile_budget",
                     "status": row.get("status"), "budget GB": (row.get("budget_bytes") or np.nan) / 1e9,
@@ -194,7 +194,7 @@ def points(rows: list[dict], device: str) -> pd.DataFrame:
 def note(row: dict) -> str:
     """Why a point has no figures, or how its plan was found again (NOTE [what the compiler holds besides the
     plan] in ``harness/run.py``)."""
-    if row.get("status") != "ok":
+    if row.get("status") != Status.OK:
         return str(row.get("error", ""))[:80]
     if row.get("compile_excess_bytes"):
         return (f"solved again {row['compile_excess_bytes'] / 1e9:.2f} GB lower: the first plan, compiled, held "

@@ -35,7 +35,7 @@ from harness.bench.common import add_rows_options, command_of, made_by
 from harness import nets
 from harness.budget import parse_budget
 from harness.paper_numbers import TABLE1_GB
-from harness.results import DEVICE_TIME_NOTE, device_time, label, read_row, stored_path
+from harness.results import DEVICE_TIME_NOTE, Status, device_time, label, read_row, stored_path
 from harness.run import run_cell
 
 # (strategy, options), Kusumoto et al.'s columns first; options as the strategy configs give them.
@@ -53,7 +53,7 @@ def cell_budget(strategy: str, options: dict, memory: int) -> int | None:
 
 
 def fits(row: dict, memory: int) -> bool:
-    return row["status"] == "ok" and row["measured_peak_bytes"] <= memory
+    return row["status"] == Status.OK and row["measured_peak_bytes"] <= memory
 
 
 def largest_batch(fits_at: Callable[[int], bool], guess: int, step: int | None = None) -> int:
@@ -121,7 +121,7 @@ def run_within(net: str, strategy: str, options: dict, batch: int, memory: int, 
     row = probe(budget, required=not missing_ok)
     if row is None:
         return None
-    if budget is not None and row["status"] == "ok" and memory < row["measured_peak_bytes"] < 2 * memory:
+    if budget is not None and row["status"] == Status.OK and memory < row["measured_peak_bytes"] < 2 * memory:
         reserve = row.get("device_reserve_bytes") or row["measured_peak_bytes"] - memory
         row = probe(budget - reserve, required=False) or row
     return row
@@ -141,7 +141,7 @@ def search(net: str, strategy: str, options: dict, memory: int, device: str, row
         tried = []
         row = run_within(net, strategy, options, batch, memory, device, rows_dir, from_rows,
                          warmup_steps=min(1, timed_steps), timed_steps=timed_steps, tried=tried)
-        over.update({batch: r for r in tried if r["status"] == "ok" and r["measured_peak_bytes"] > memory})
+        over.update({batch: r for r in tried if r["status"] == Status.OK and r["measured_peak_bytes"] > memory})
         probes[batch] = row
         if progress is not None:
             progress.set_postfix_str(f"{net} {label(strategy, options)} batch {batch}: {row['status']}")
@@ -158,7 +158,7 @@ def search(net: str, strategy: str, options: dict, memory: int, device: str, row
         fits_at(spec.batch_size)
         first = probes[spec.batch_size]
         guess, step = spec.batch_size, None
-        if first["status"] == "ok":  # peak = fixed + batch * per-sample bytes, from one measured point
+        if first["status"] == Status.OK:  # peak = fixed + batch * per-sample bytes, from one measured point
             fixed = 2 * first["measured_params_bytes"]  # parameters and their gradients
             per_sample = max(1, (first["measured_peak_bytes"] - fixed) / spec.batch_size)
             guess = max(1, int((memory - fixed) / per_sample))
@@ -194,7 +194,7 @@ def replayed(net: str, strategy: str, options: dict, memory: int, args, progress
 def _why_not(row: dict | None, memory: int) -> str:
     if row is None:
         return ""
-    if row["status"] != "ok":
+    if row["status"] != Status.OK:
         return row["status"]
     return f"{row['measured_peak_bytes'] / 1e9:.2f} GB" + (" (over)" if row["measured_peak_bytes"] > memory else "")
 

@@ -3,7 +3,7 @@
 For each net (the zoo's at Kusumoto et al.'s sizes, GPT-2 and ViT-B/16) and four budgets (``approx_dp`` tc's
 minimal budget, and 25%, 50% and 75% of the way from it to vanilla's peak; all by the replay, the graph's
 values only): the least overhead ``optimal`` finds within ``--time-limit`` seconds, the lower bound it proves
-(NOTE [a proven optimum in the replay's accounting] in ``strategies/optimal.py``), the best plan the executor
+(NOTE [a proven optimum in the replay's accounting] in ``strategies/optimal_model.py``), the best plan the executor
 runs within the budget (``optimal``'s, or a DP's or Chen's where its search ended first) and the gap between the
 two, and each strategy's predicted overhead at that budget as a ratio to that plan ("over": its plan does not
 fit the budget). Writes ``OUT_STEM.md``, ``OUT_STEM.csv`` and one PNG per net (overhead against budget, the

@@ -23,7 +23,7 @@ from harness.bench.common import made_by
 import strategies
 from harness import nets, peers
 from harness.peers import PEERS
-from harness.results import load_results
+from harness.results import Status, load_results
 from harness.run import fixed_bytes, traced_net
 from strategies.ilp_optimal import Options as IlpOptions
 from strategies.ilp_optimal import within_replay
@@ -38,7 +38,7 @@ def measured_peaks(rows: pd.DataFrame, net: str) -> dict[tuple[str, str], float]
     """(strategy, mode) -> measured peak bytes of the net's default-budget rows on ``meta``."""
     if rows.empty:
         return {}
-    cells = rows[(rows.net == net) & (rows.status == "ok") & (rows.device == "meta") & rows.budget_bytes.isna()
+    cells = rows[(rows.net == net) & (rows.status == Status.OK) & (rows.device == "meta") & rows.budget_bytes.isna()
                  & (rows.batch_size == nets.spec(net).batch_size)]
     cells = cells[[o.get("memory_model") != "paper" for o in cells.options]]  # Table 2's plans, not these
     return {(r.strategy, r.options.get("mode", "")): r.measured_peak_bytes for r in cells.itertuples()}

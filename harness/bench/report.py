@@ -28,13 +28,13 @@ from harness.bench.common import made_by
 from harness import nets
 from harness.paper_numbers import K40C_GB, OUT_OF_MEMORY, TABLE1_GB, TABLE2_GB
 from harness.peers import PEERS
-from harness.results import label, load_results, mode_of
+from harness.results import Status, label, load_results, mode_of
 
 GB = 1e9
 
 
 def spine_table(rows: pd.DataFrame) -> pd.DataFrame:
-    rows = rows[rows.status == "ok"]
+    rows = rows[rows.status == Status.OK]
     out = []
     for net in nets.available():
         cells = {s: rows[(rows.net == net) & (rows.strategy == s)] for s in ("vanilla", "liveness_only")}
@@ -64,7 +64,7 @@ def _ratio(value, unit) -> float:
 
 def strategies_table(rows: pd.DataFrame) -> pd.DataFrame:
     """Per net and strategy: measured and predicted peak, reduction against vanilla, beside Kusumoto et al. 2019."""
-    rows = rows[rows.status == "ok"].copy()
+    rows = rows[rows.status == Status.OK].copy()
     rows["mode"] = [mode_of(options) for options in rows.options]
     out = []
     for net in nets.available():
@@ -132,7 +132,7 @@ def _peak(row) -> str | float:
     """A measured peak in GB, or the status where the run did not produce one (oom, infeasible, ...)."""
     if row is None:
         return float("nan")
-    return row.measured_peak_bytes / GB if row.status == "ok" else row.status
+    return row.measured_peak_bytes / GB if row.status == Status.OK else row.status
 
 
 def _vs(value, reference) -> str:
@@ -178,7 +178,7 @@ def table1(rows: pd.DataFrame) -> pd.DataFrame:
                 line[f"{device} GB"] = _peak(row)
                 line[f"{device} vs vanilla"] = _vs(line[f"{device} GB"], vanilla[device])
                 if device not in ("meta", "cpu"):
-                    line[f"{device} step ms"] = (row.step_time_ms if row is not None and row.status == "ok"
+                    line[f"{device} step ms"] = (row.step_time_ms if row is not None and row.status == Status.OK
                                                  else float("nan"))
             line["overhead / forward"] = _ratio(any_row.get("predicted_overhead_cost"), any_row.total_cost)
             if least is not None:  # on meta, the step's peak over the least's (the static part left out)
@@ -192,7 +192,7 @@ def table1(rows: pd.DataFrame) -> pd.DataFrame:
 
 def _step_peak(row) -> float | None:
     """A measured row's peak less what is there before the step (parameters, buffers, the input batch), or None."""
-    if row is None or row.status != "ok" or pd.isna(row.get("static_bytes", float("nan"))):
+    if row is None or row.status != Status.OK or pd.isna(row.get("static_bytes", float("nan"))):
         return None
     return row.measured_peak_bytes - row.static_bytes
 
@@ -209,7 +209,7 @@ def _devices(by_device: dict) -> str:
     """Which machine and method stand behind each device's columns."""
     parts = []
     for device, cells in by_device.items():
-        rows = [row for row in cells.values() if row.status == "ok"]
+        rows = [row for row in cells.values() if row.status == Status.OK]
         names = sorted({f"{row.device_name}, {row.method}, torch {row.torch_version}" for row in rows})
         parts.append(f"{device}: {'; '.join(names)}")
     return " | ".join(parts)

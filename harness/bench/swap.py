@@ -33,6 +33,7 @@ from harness.execute import execute
 from harness.bench.max_batch import largest_batch as search_largest
 from harness.measure import measure
 from harness.nets import classification_loss
+from harness.results import Status
 from harness.run import fixed_bytes, run_cell
 from harness.trace import trace
 from strategies.simulate import swap_step_time
@@ -57,7 +58,7 @@ def largest_batch(strategy: str, options: dict, device: str, progress) -> int:
         row = run_cell("resnet50", strategy, batch_size=batch, image_size=224, device=device,
                        budget=DEVICE_BUDGET, options=options, warmup_steps=1, timed_steps=3)
         progress.set_postfix_str(f"{label(strategy, options)} batch {batch}: {row['status']}")
-        return row["status"] == "ok" and row["measured_peak_bytes"] <= DEVICE_BUDGET
+        return row["status"] == Status.OK and row["measured_peak_bytes"] <= DEVICE_BUDGET
 
     return search_largest(fits, guess=144)  # Meng et al.'s vanilla figure
 
