@@ -25,12 +25,12 @@ Other models are named ``SOURCE:NAME`` (``harness.models``: ``torchvision:convne
 ``timm:vit_small_patch16_224``, ``module:my_pkg.models:build``).
 
 NOTE [imported where used]
-Every cell is a fresh process, and its imports are part of what a user waits for. torchvision adds 1.6 s
-to torch's 2.3, segmentation-models-pytorch 2.7 s, torch.compile's dynamo and inductor 3 s (measured on
-this project's 2-core machine). So the model libraries are imported by the builders of the nets that use
-them, the compiler's modules by the functions that compile (``harness/compiled.py``), and pandas (0.6 s)
-by what reads rows into tables (``harness.results.load_results``, the benchmarks): an eager U-Net or GPT-2
-cell pays for none of them, and a cell writes its row without pandas. Every other import is at the top of its module.
+Every cell is a fresh process, and its imports are part of what a user waits for. torchvision adds 1.6 s to torch's
+2.3, segmentation-models-pytorch 2.7 s, torch.compile's dynamo and inductor 3 s. So the model libraries are imported
+by the builders of the nets that use them, the compiler's modules by the functions that compile
+(``harness/compiled.py``), and pandas (0.6 s) by what reads rows into tables (``harness.results.load_results``, the
+benchmarks): an eager U-Net or GPT-2 cell pays for none of them, and a cell writes its row without pandas. Every
+other import is at the top of its module.
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ def main(argv=None) -> None:
                + (f" --max-stages {args.max_stages}" if args.max_stages != IlpOptions().max_stages else ""))
     out.with_suffix(".md").write_text(
         f"{made_by(command)} (rows from `{args.rows}`, device `meta`; ILP: HiGHS, "
-        f"one thread, {args.time_limit:g} s a search, this machine's CPU). Peaks in decimal GB, parameters "
+        f"one thread, {args.time_limit:g} s a search, on the CPU). Peaks in decimal GB, parameters "
         "included; overheads in cost units of the paper's cost model.\n\n"
         + table.to_markdown(index=False, floatfmt=".2f") + "\n\n## Goals\n\n" + "\n".join(goals(table)) + "\n")
     print(out.with_suffix(".md").read_text())
