@@ -67,15 +67,16 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
             raise out_of_time(f"{len(family):,}")
 
     # The approximate DP's chains are chains of the exact family: its minimal budget bounds the search.
-    approx = prepare(dp_view(graph, options.memory_model), words_of(principal, len(graph)))
+    principal_words = words_of(principal, len(graph))
+    approx = prepare(dp_view(graph, options.memory_model), principal_words)
     upper = minimal_budget(approx) + sum(graph.param_bytes)
 
     def approx_plan():  # its chains are the exact DP's too: the exact DP's plan is never worse than approx_dp's
         try:
-            return [solve_family(graph, words_of(principal, len(graph)), budget_bytes, options.mode, "exact_dp",
+            return [solve_family(graph, principal_words, budget_bytes, options.mode, "exact_dp",
                                  memory_model=options.memory_model, deadline=deadline)]
         except InfeasibleBudget:  # its least plan then, so that the least reported is never above approx_dp's
-            return [solve_family(graph, words_of(principal, len(graph)), None, options.mode, "exact_dp",
+            return [solve_family(graph, principal_words, None, options.mode, "exact_dp",
                                  memory_model=options.memory_model, deadline=deadline)]
 
     try:  # a pass over the family looks at the clock as it goes, too

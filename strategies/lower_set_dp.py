@@ -101,8 +101,8 @@ from strategies import dp_kernels as kernels
 from strategies.graph import Graph, bitset, members
 from strategies.plan import InfeasibleBudget, Plan
 from strategies.equation2 import MEMORY_MODELS, dp_view, equation_2_peak
-from strategies.replay import peak_layer, timeline
-from strategies.simulate import simulate
+from strategies.replay import peak_layer
+from strategies.simulate import simulate, simulated_steps
 
 MODES = ("tc", "mc")
 
@@ -279,13 +279,18 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
             least = int(minimal_budget(table, upper, check, deadline))
             raise InfeasibleBudget(budget_bytes, least + param_grads, strategy)
         return plan
-    replayed: dict[tuple, object] = {}  # (stages, kept) -> its replay: nearby budgets often give one plan
+    # (stages, kept) -> its replay, and the layer in whose backward it peaks: nearby budgets often give one plan
+    replayed: dict[tuple, tuple] = {}
 
-    def replay(plan: Plan):
+    def replayed_of(plan: Plan) -> tuple:
         key = (plan.stages, plan.kept)
         if key not in replayed:
-            replayed[key] = simulate(graph, plan)
+            prediction, steps = simulated_steps(graph, plan)
+            replayed[key] = prediction, peak_layer(steps) if mode == "mc" else None
         return replayed[key]
+
+    def replay(plan: Plan):
+        return replayed_of(plan)[0]
 
     least, top = minimal_budget(table, upper, check, deadline), float(table.values[-1, kernels.KEY])
     if len(table) <= SMALL:  # equation (2) budget -> its plan
@@ -309,7 +314,7 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
                                                          info={"memory_model": memory_model})]
         if paper is not None:
             plans.append(dataclasses.replace(paper, budget_bytes=budget_bytes, info={"memory_model": memory_model}))
-        plan, peak = _least_replay(graph, plans, replay, budget_bytes, deadline, starts)
+        plan, peak = _least_replay(graph, plans, replayed_of, budget_bytes, deadline, starts)
         if budget_bytes is not None and peak > budget_bytes:  # the minimum reported: a budget at or above it is met
             raise InfeasibleBudget(budget_bytes, peak, strategy)
         return plan
@@ -326,16 +331,17 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
     return _within(plan_within, replay, scanned, replays, budget_bytes, mode, top) or plan
 
 
-def _least_replay(graph: Graph, plans: list[Plan], replay, budget_bytes: int | None, deadline: float,
+def _least_replay(graph: Graph, plans: list[Plan], replayed_of, budget_bytes: int | None, deadline: float,
                   starts) -> tuple[Plan, int]:
     """The best plan a search of moves (``_moves``) finds from each of ``plans``, or among ``starts()``, and its peak
     (NOTE [the least replay]): with no budget, the least replay, then the least overhead; within ``budget_bytes``,
-    the first plan found that fits, or the least replay over it. Past ``deadline`` it raises ``TimeoutError``."""
+    the first plan found that fits, or the least replay over it. ``replayed_of(plan)``: its replay, and the layer
+    in whose backward it peaks. Past ``deadline`` it raises ``TimeoutError``."""
     principal = sorted(set(graph.ancestor_mask))
     cut_bytes = {lower: sum(graph.mem_bytes[v] for v in members(graph.boundary(lower))) for lower in principal}
 
     def score(plan: Plan) -> tuple:
-        prediction = replay(plan)
+        prediction = replayed_of(plan)[0]
         if budget_bytes is None:
             return prediction.peak_bytes, prediction.overhead_cost
         return max(0, prediction.peak_bytes - budget_bytes), prediction.peak_bytes
@@ -349,13 +355,13 @@ def _least_replay(graph: Graph, plans: list[Plan], replay, budget_bytes: int | N
         while len(graph) <= SEARCHED_NODES and (budget_bytes is None or here[0] > 0):
             if time.perf_counter() > deadline:
                 raise TimeoutError("the search for the least replay ran past its deadline")
-            v = peak_layer(timeline(graph, plan))
+            v = replayed_of(plan)[1]
             at = next(i for i, lower in enumerate(chain) if lower >> v & 1) if v is not None else len(chain) - 1
             for candidate in _moves(chain, at, principal, cut_bytes):
                 moved = Plan.from_chain(graph, candidate, strategy=plan.strategy, budget_bytes=plan.budget_bytes,
                                         info=dict(plan.info))
-                if score(moved) < here:
-                    plan, chain, here = moved, candidate, score(moved)
+                if (moved_score := score(moved)) < here:
+                    plan, chain, here = moved, candidate, moved_score
                     break
             else:
                 break
@@ -364,7 +370,7 @@ def _least_replay(graph: Graph, plans: list[Plan], replay, budget_bytes: int | N
     for plan in starts():
         if score(plan) < best[0]:
             best = score(plan), plan
-    return best[1], replay(best[1]).peak_bytes
+    return best[1], replayed_of(best[1])[0].peak_bytes
 
 
 def _moves(chain: list[int], at: int, sets: list[int], cut_bytes: dict[int, int]):

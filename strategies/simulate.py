@@ -87,15 +87,21 @@ def simulate(graph: Graph, plan: Plan, liveness: bool = True) -> Prediction:
         peak = (peak_of(schedule_timeline(graph, computed, held)) if liveness
                 else schedule.peak(training, computed, held) + sum(graph.param_bytes))
         return Prediction(peak_bytes=peak, overhead_cost=schedule.cost(training, computed), liveness=liveness)
-    if liveness:  # what the executor recomputes (NOTE [what a recomputation makes])
-        steps = timeline(graph, plan)
-        peak = peak_of(steps)
-        overhead = sum(graph.cost[s.node] for s in steps if s.phase == "recompute" and s.call and s.node >= 0)
-    else:
-        peak = equation_2_peak(dp_view(graph, "paper"), plan) + sum(graph.param_bytes)
-        overhead = graph.time(plan.recomputed)  # Eq. (1): everything not kept is computed twice
-    return Prediction(peak_bytes=peak, overhead_cost=overhead, liveness=liveness,
-                      host_bytes=graph.mem(plan.swapped))
+    if liveness:
+        return simulated_steps(graph, plan)[0]
+    peak = equation_2_peak(dp_view(graph, "paper"), plan) + sum(graph.param_bytes)
+    overhead = graph.time(plan.recomputed)  # Eq. (1): everything not kept is computed twice
+    return Prediction(peak_bytes=peak, overhead_cost=overhead, liveness=False, host_bytes=graph.mem(plan.swapped))
+
+
+def simulated_steps(graph: Graph, plan: Plan) -> tuple[Prediction, list[Step]]:
+    """``simulate`` of a stage plan by the liveness replay, with the replayed steps (for a caller that also asks
+    where the step peaks)."""
+    steps = timeline(graph, plan)
+    # what the executor recomputes (NOTE [what a recomputation makes])
+    overhead = sum(graph.cost[s.node] for s in steps if s.phase == "recompute" and s.call and s.node >= 0)
+    return Prediction(peak_bytes=peak_of(steps), overhead_cost=overhead, liveness=True,
+                      host_bytes=graph.mem(plan.swapped)), steps
 
 
 def step_seconds(graph: Graph, step: Step, flops_per_s: float) -> float:
