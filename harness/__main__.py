@@ -10,8 +10,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness import nets
 from harness.models import NotAModel
+from harness.cell import Cell, make_cell
 from harness.results import Status, cell_name
-from harness.run import run_cell
+from harness.run import run
 import strategies
 
 
@@ -25,17 +26,25 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(f"choose a strategy with +strategy=NAME; valid strategies: {', '.join(strategies.available())}")
     check_keys(cfg)
     try:
-        row = run_cell(net_name(cfg.net), cfg.strategy.name, batch_size=cfg.batch_size, image_size=cfg.image_size,
-                       device=cfg.device.name, budget=cfg.budget, cost_model=cfg.cost_model.value,
-                       options=strategy_options(cfg), warmup_steps=cfg.device.warmup_steps,
-                       timed_steps=cfg.device.timed_steps, results_dir=cfg.results_dir, resume=cfg.resume,
-                       net_options=net_options(cfg.net), compile=cfg.compile,
-                       dtype=None if cfg.dtype is None else cfg.dtype.value, world_size=cfg.world_size,
-                       shard=cfg.shard.value, optimizer=cfg.optimizer.value, plan_out=cfg.plan_out)
-    except (NotAModel, ValueError, KeyError) as error:  # bad input, refused before anything is traced
+        cell = cell_of(cfg)
+    except (ValueError, KeyError) as error:  # bad input, refused before anything is traced
         raise SystemExit(error.args[0] if isinstance(error, KeyError) else str(error)) from None
+    try:
+        row = run(cell, results_dir=cfg.results_dir, resume=cfg.resume, plan_out=cfg.plan_out)
+    except NotAModel as error:  # a factory that returned no module: bad input, no row
+        raise SystemExit(str(error)) from None
     if row["status"] == Status.ERROR:  # an Exception, not SystemExit: Hydra runs a sweep's other cells, then fails
         raise CellError(f"{cell_name(row)}: {row['error']}")
+
+
+def cell_of(cfg: DictConfig) -> Cell:
+    """The cell the composed config names (``make_cell`` checks each value)."""
+    return make_cell(net_name(cfg.net), cfg.strategy.name, batch_size=cfg.batch_size, image_size=cfg.image_size,
+                     device=cfg.device.name, budget=cfg.budget, cost_model=cfg.cost_model.value,
+                     options=strategy_options(cfg), warmup_steps=cfg.device.warmup_steps,
+                     timed_steps=cfg.device.timed_steps, net_options=net_options(cfg.net), compile=cfg.compile,
+                     dtype=None if cfg.dtype is None else cfg.dtype.value, world_size=cfg.world_size,
+                     shard=cfg.shard.value, optimizer=cfg.optimizer.value)
 
 
 class CellError(RuntimeError):

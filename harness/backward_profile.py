@@ -144,6 +144,64 @@ def _shares_and_work(probe: "Probe", handed: list, through: dict, received: dict
     return shares, work
 
 
+class _LayerPeaks(MemoryTracker):
+    """The tracker of ``backward_peaks``: live bytes, and beside them what each layer's backward made and freed.
+    ``values``: storages of IR nodes' values -> their probe group (a freed one leaves it); ``layers``: autograd
+    node -> the probe group whose layer call made it."""
+
+    def __init__(self, values: dict[int, int], layers: dict, *args):
+        self.values, self.layers = values, layers
+        self.level = 0  # live bytes, forward values counted as never freed
+        self.freeing = 0  # live bytes
+        self.call_peak = 0  # the most live during the forward's current call
+        self.layer, self.start, self.freeing_start = None, 0, 0
+        self.peaks: dict[int, int] = {}
+        self.frees: dict[int, tuple[set[int], int]] = {}  # layer -> (values it freed, peak as they went)
+        super().__init__(*args)
+
+    def _add(self, storage, part):
+        known = id(storage) in self.live
+        super()._add(storage, part)
+        if not known:
+            self.values.pop(id(storage), None)  # a new storage, wherever an old value's id is reused
+            self.level += storage.nbytes()
+            self.freeing += storage.nbytes()
+            self.call_peak = max(self.call_peak, self.freeing)
+            if self.layer is not None:
+                self.peaks[self.layer] = max(self.peaks.get(self.layer, 0), self.level - self.start)
+                freed, peak = self.frees.setdefault(self.layer, (set(), 0))
+                self.frees[self.layer] = (freed, max(peak, self.freeing - self.freeing_start))
+
+    def _free(self, key):
+        size = self.live[key][0]
+        super()._free(key)
+        self.freeing -= size
+        if key in self.values:
+            g = self.values.pop(key)
+            if self.layer is not None:
+                self.frees.setdefault(self.layer, (set(), 0))[0].add(g)
+        else:
+            self.level -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._count_sum()  # a sum the engine made after the last layer's node is that layer's
+        g = self.layers.get(torch._C._current_autograd_node())
+        if g is not None and g != self.layer:
+            self.layer, self.start, self.freeing_start = g, self.level, self.freeing
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _gradient_bytes(module: fx.GraphModule) -> dict[int, int]:
+    """What each parameter's gradient holds, by parameter storage: a gradient autograd hands a parameter as a view of
+    a larger one it keeps as it is (a ``torch.cat`` of biases), which then lives to the step's end whole."""
+    grad_bytes, counted = {}, set()
+    for p in module.parameters():
+        if p.grad is not None:
+            grad_bytes[id(storage_of(p))] = 0 if id(storage_of(p.grad)) in counted else storage_of(p.grad).nbytes()
+            counted.add(id(storage_of(p.grad)))
+    return grad_bytes
+
+
 def backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set[str], example_input: torch.Tensor,
                     loss_fn) -> tuple[dict[int, int], dict[int, tuple[set[int], int]], dict[int, int], dict, set[int]]:
     """The most each layer's backward holds above what was live as it began (``Graph.backward_peak_bytes``),
@@ -179,47 +237,6 @@ def backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set[
                     layers.update((fn, g) for fn in new_autograd_nodes(outputs, layers))
             return result
 
-    class LayerPeaks(MemoryTracker):
-        def __init__(self, *args):
-            self.level = 0  # live bytes, forward values counted as never freed
-            self.freeing = 0  # live bytes
-            self.call_peak = 0  # the most live during the forward's current call
-            self.layer, self.start, self.freeing_start = None, 0, 0
-            self.peaks: dict[int, int] = {}
-            self.frees: dict[int, tuple[set[int], int]] = {}  # layer -> (values it freed, peak as they went)
-            super().__init__(*args)
-
-        def _add(self, storage, part):
-            known = id(storage) in self.live
-            super()._add(storage, part)
-            if not known:
-                values.pop(id(storage), None)  # a new storage, wherever an old value's id is reused
-                self.level += storage.nbytes()
-                self.freeing += storage.nbytes()
-                self.call_peak = max(self.call_peak, self.freeing)
-                if self.layer is not None:
-                    self.peaks[self.layer] = max(self.peaks.get(self.layer, 0), self.level - self.start)
-                    freed, peak = self.frees.setdefault(self.layer, (set(), 0))
-                    self.frees[self.layer] = (freed, max(peak, self.freeing - self.freeing_start))
-
-        def _free(self, key):
-            size = self.live[key][0]
-            super()._free(key)
-            self.freeing -= size
-            if key in values:
-                g = values.pop(key)
-                if self.layer is not None:
-                    self.frees.setdefault(self.layer, (set(), 0))[0].add(g)
-            else:
-                self.level -= size
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self._count_sum()  # a sum the engine made after the last layer's node is that layer's
-            g = layers.get(torch._C._current_autograd_node())
-            if g is not None and g != self.layer:
-                self.layer, self.start, self.freeing_start = g, self.level, self.freeing
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
     def unpack(t):
         g = layers.get(torch._C._current_autograd_node())
         key = id(storage_of(t))
@@ -232,19 +249,13 @@ def backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set[
     x = example_input.to("meta")
     static = {id(storage_of(t)) for t in [*module.parameters(), *module.buffers(), x]}
     module.zero_grad(set_to_none=True)  # as every step starts (a gradient already there is summed into)
-    with torch.enable_grad(), LayerPeaks(module, (x,)) as tracker:
+    with torch.enable_grad(), _LayerPeaks(values, layers, module, (x,)) as tracker:
         # Packed detached: a saved output packed as itself would hold its own grad_fn, a cycle through C++
         # that kept what an unreached branch saved alive after the step (NOTE [values held outside the program]
         # in ``harness/trace.py``).
         with torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, unpack):
             loss_fn(Claiming(module).run(x)).backward()
-    # What each parameter's gradient holds: a gradient autograd hands a parameter as a view of a larger
-    # one it keeps as it is (a ``torch.cat`` of biases), which then lives to the step's end whole.
-    grad_bytes, counted = {}, set()
-    for p in module.parameters():
-        if p.grad is not None:
-            grad_bytes[id(storage_of(p))] = 0 if id(storage_of(p.grad)) in counted else storage_of(p.grad).nbytes()
-            counted.add(id(storage_of(p.grad)))
+    grad_bytes = _gradient_bytes(module)
     module.zero_grad(set_to_none=True)
     layers.clear()  # the autograd nodes no backward ran (an unused branch's) hold what they saved
     if values:  # what a reference cycle holds (a Function's ctx) goes at the next collection

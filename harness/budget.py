@@ -5,9 +5,8 @@ input batch included."""
 
 from __future__ import annotations
 
+import os
 import re
-
-import torch
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -34,8 +33,18 @@ def parse_budget(budget, device: str = "meta") -> int | None:
 
 
 def _free_device_bytes(device: str) -> int:
+    """The memory the CUDA device has free, read by NVML: asking CUDA would open a context in this process, which
+    itself holds hundreds of megabytes of the device a cell then measures on (in a process of its own)."""
     if device != "cuda":
         raise ValueError(f"budget=device means the memory a CUDA device has free; device={device} has none "
                          "to read (give a size such as 6GB)")
-    free, _total = torch.cuda.mem_get_info()
-    return int(free)
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+        handle = (pynvml.nvmlDeviceGetHandleByUUID(visible) if visible.startswith(("GPU-", "MIG-"))
+                  else pynvml.nvmlDeviceGetHandleByIndex(int(visible or 0)))
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+    finally:
+        pynvml.nvmlShutdown()

@@ -1,7 +1,8 @@
-"""One measurement, end to end: net -> trace -> Graph -> strategy -> Plan -> executor -> measurement -> row.
-
-``run_cell`` is a plain function (the Hydra entry point in ``__main__`` is a thin wrapper around it), so
-tests and scripts call it directly.
+"""One measurement, end to end, as stages: ``build(cell)`` (the net, traced), ``plan(cell, built)`` (the strategy's
+plan), ``step(cell, built, plan)`` (the training step that runs it), ``measure(cell, built, plan, step)`` (its
+measured and predicted fields) and ``run(cell)``, which adds the row's status and circumstances and writes it.
+A ``Cell`` (``harness.cell``) is made once, at the edge; ``run_cell`` makes one from keywords and runs it.
+The Hydra entry point (``__main__``) and every driver in ``harness.bench`` go through these stages.
 """
 
 from __future__ import annotations
@@ -17,66 +18,61 @@ import platform
 import subprocess
 import time
 import traceback
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 
 import strategies
 from harness import nets, peers, sharding
-from harness.budget import parse_budget
+from harness.cell import Cell, make_cell
 from harness.compiled import plan_step as compiled_plan_step
 from harness.execute import execute
-from harness.measure import check_device, measure
+from harness.measure import measure as measure_step
 from harness.models import NotAModel
 from harness.plans import save_plan
-from harness.results import FINAL, SCHEMA_VERSION, Status, cell_name, read_row, write_row
-from harness.cost_models import check_cost_model
+from harness.results import FINAL, SCHEMA_VERSION, Status, read_row, write_row
 from harness.trace import trace
-from strategies.plan import Runner
+from harness.traced import Traced
+from strategies.plan import Plan, Runner
 from strategies.simulate import step_flops
 
 log = logging.getLogger(__name__)
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_size: int | None = None,
-             device: str = "meta", budget=None, cost_model: str = "paper", options: dict | None = None,
-             warmup_steps: int = 2, timed_steps: int = 5, results_dir: str | Path | None = None,
-             resume: bool = False, isolate: bool | None = None, net_options: dict | None = None,
-             compile: bool = False, dtype: str | None = None, world_size: int = 1, shard: str = "none",
-             optimizer: str = "none", plan_out: str | Path | None = None) -> dict:
-    """Measure ``strategy`` on ``net`` (a zoo net or ``SOURCE:NAME`` with ``net_options``, ``harness.models``)
-    and return the result row (also written under ``results_dir``).
+def run_cell(net: str, strategy: str, *, results_dir: str | Path | None = None, resume: bool = False,
+             isolate: bool | None = None, plan_out: str | Path | None = None, **settings) -> dict:
+    """``run(make_cell(net, strategy, **settings), ...)``: a cell from keywords (``harness.cell.make_cell``), run."""
+    return run(make_cell(net, strategy, **settings), results_dir=results_dir, resume=resume, isolate=isolate,
+               plan_out=plan_out)
+
+
+def run(cell: Cell, *, results_dir: str | Path | None = None, resume: bool = False, isolate: bool | None = None,
+        plan_out: str | Path | None = None) -> dict:
+    """Measure ``cell`` and return its row (also written under ``results_dir``; ``resume``: a row already there of
+    this schema and a final status is returned as it is).
 
     ``isolate`` (default: on ``cuda``) measures in a fresh process: PyTorch does not free what a backward
     that ran out of CUDA memory held (pytorch/pytorch#82218), so one ``oom`` cell would leave every later
-    cell of a sweep on a nearly full device. ``world_size``, ``shard`` and ``optimizer`` measure one rank
-    of sharded data parallelism (NOTE [a rank under FSDP2] in ``harness/sharding.py``). ``plan_out`` names a
-    file to write the cell's plan to (NOTE [a plan file] in ``harness/plans.py``), for ``harness.train``."""
-    row = cell_row(net, strategy, batch_size=batch_size, image_size=image_size, device=device, budget=budget,
-                   cost_model=cost_model, options=options, net_options=net_options, compile=compile, dtype=dtype,
-                   warmup_steps=warmup_steps, timed_steps=timed_steps, world_size=world_size, shard=shard,
-                   optimizer=optimizer)
-    if resume and results_dir is not None and (Path(results_dir) / cell_name(row)).exists():
-        done = read_row(Path(results_dir) / cell_name(row))
-        final = done.get("status") in FINAL
-        if final and done.get("schema_version") == SCHEMA_VERSION:
-            log.info("%s: already measured (%s), skipped", cell_name(row), done["status"])
+    cell of a sweep on a nearly full device. ``plan_out`` names a file to write the cell's plan to (NOTE [a
+    plan file] in ``harness/plans.py``), for ``harness.train``."""
+    if resume and results_dir is not None and (Path(results_dir) / cell.name).exists():
+        done = read_row(Path(results_dir) / cell.name)
+        if done.get("status") in FINAL and done.get("schema_version") == SCHEMA_VERSION:
+            log.info("%s: already measured (%s), skipped", cell.name, done["status"])
             return done
-    if device == "cuda" if isolate is None else isolate:
+    if cell.device == "cuda" if isolate is None else isolate:
         spawn = multiprocessing.get_context("spawn")  # a fresh CUDA context, and nothing of this process's
         with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as child:
-            return child.submit(run_cell, net, strategy, batch_size=batch_size, image_size=image_size,
-                                device=device, budget=budget, cost_model=cost_model, options=options,
-                                warmup_steps=warmup_steps, timed_steps=timed_steps, results_dir=results_dir,
-                                isolate=False, net_options=net_options, compile=compile, dtype=dtype,
-                                world_size=world_size, shard=shard, optimizer=optimizer,
-                                plan_out=plan_out).result()
+            return child.submit(run, cell, results_dir=results_dir, isolate=False, plan_out=plan_out).result()
+    row = {**cell.settings(), **_environment()}
     start = time.perf_counter()
     try:
-        row.update(_measure_cell(row, plan_out))
+        row.update(_measure_cell(cell, plan_out))
         row["status"] = Status.OK
     except strategies.InfeasibleBudget as error:
         row.update(status=Status.INFEASIBLE, error=str(error), min_feasible_bytes=error.min_feasible_bytes)
@@ -94,38 +90,7 @@ def run_cell(net: str, strategy: str, *, batch_size: int | None = None, image_si
     row["wall_time_s"] = time.perf_counter() - start
     if results_dir is not None:
         row["row_path"] = str(write_row(row, results_dir))
-    log.info("%s", summary(row, tokens=nets.spec(net, **row["net_options"]).input == "tokens"))
-    return row
-
-
-def cell_row(net: str, strategy: str, *, batch_size: int | None = None, image_size: int | None = None,
-             device: str = "meta", budget=None, cost_model: str = "paper", options: dict | None = None,
-             net_options: dict | None = None, compile: bool = False, dtype: str | None = None, warmup_steps: int = 2,
-             timed_steps: int = 5, world_size: int = 1, shard: str = "none", optimizer: str = "none") -> dict:
-    """A cell's row before it is measured (``run_cell``'s arguments); bad input fails here, naming what is
-    valid, before anything is built. ``dtype`` None is the net's own (``NetSpec.dtype``)."""
-    net_options = dict(net_options or {})
-    spec = nets.spec(net, **net_options)  # bad input fails here, before anything is built
-    strategies.module(strategy)
-    check_device(device)
-    dtype = spec.dtype if dtype is None else dtype
-    nets.check_dtype(dtype)
-    check_cost_model(cost_model, device)
-    sharding.check(world_size, shard, optimizer)
-    if shard != "none" and (device != "meta" or compile):
-        raise ValueError(f"shard={shard} is measured on device=meta, eager (NOTE [a rank under FSDP2] in "
-                         f"harness/sharding.py); got device={device}{', compile=true' if compile else ''}")
-    row = {
-        "schema_version": SCHEMA_VERSION, "net": net, "strategy": strategy,
-        "batch_size": spec.batch_size if batch_size is None else batch_size,
-        "image_size": spec.image_size if image_size is None else image_size,
-        "device": device, "cost_model": cost_model, "budget_bytes": parse_budget(budget, device),
-        "options": dict(options or {}), "net_options": net_options, "warmup_steps": warmup_steps,
-        "timed_steps": timed_steps, "compiled": bool(compile), "dtype": dtype,
-        "paper_node_count": spec.paper_nodes, **_environment(),
-        **({"world_size": world_size, "shard": shard, "optimizer": optimizer} if shard != "none" else {}),
-    }
-    nets.check_sizes(net, row["batch_size"], row["image_size"], **net_options)
+    log.info("%s", summary(row, tokens=cell.tokens))
     return row
 
 
@@ -150,59 +115,91 @@ _KEPT_TRACES: dict[tuple, SimpleNamespace] = {}
 _KEPT_AT_MOST = 4
 
 
-def _traced_for(row: dict) -> SimpleNamespace:
-    """``traced_net`` of ``row``'s net, kept between meta cells that do not compile (NOTE [traces kept between
+def _traced_for(cell: Cell) -> SimpleNamespace:
+    """``traced_net`` of ``cell``'s net, kept between meta cells that do not compile (NOTE [traces kept between
     cells])."""
-    args = (row["net"], row["batch_size"], row["image_size"], row["device"], row["dtype"], row["cost_model"])
-    compiles = row["compiled"] or getattr(strategies.module(row["strategy"]), "RUNNER", None) == Runner.TORCH_COMPILE
-    if row["device"] != "meta" or compiles:
-        return traced_net(*args, **row["net_options"])
-    key = (*args, json.dumps(row["net_options"], sort_keys=True, default=repr))
+    args = (cell.net, cell.batch_size, cell.image_size, cell.device, cell.dtype, cell.cost_model)
+    compiles = cell.compiled or getattr(strategies.module(cell.strategy), "RUNNER", None) == Runner.TORCH_COMPILE
+    if cell.device != "meta" or compiles:
+        return traced_net(*args, **cell.net_options)
+    key = (*args, json.dumps(cell.net_options, sort_keys=True, default=repr))
     if key not in _KEPT_TRACES:
         if len(_KEPT_TRACES) == _KEPT_AT_MOST:
             del _KEPT_TRACES[next(iter(_KEPT_TRACES))]  # the oldest
-        _KEPT_TRACES[key] = traced_net(*args, **row["net_options"])
+        _KEPT_TRACES[key] = traced_net(*args, **cell.net_options)
     return _KEPT_TRACES[key]
 
 
-def build_cell(row: dict) -> SimpleNamespace:
-    """What a cell runs, from its row (``net``, ``strategy``, sizes, ``device``, ``dtype``, ``budget_bytes``,
-    ``options``, ``compiled``...): the model, its input and loss, the trace, the plan, what every plan holds
-    (``static_bytes``) and ``step``, the training step that runs the plan (None for a general schedule)."""
-    built = _traced_for(row)
-    model, example_input, loss_fn, traced = built.model, built.example_input, built.loss_fn, built.traced
-    static_bytes, graph = fixed_bytes(model, example_input), traced.graph
-    sharded = row.get("shard", "none") != "none"
-    if sharded:  # NOTE [a rank under FSDP2] in harness/sharding.py
-        static_bytes = sharding.fsdp2_static(row["net"], row["world_size"], row["optimizer"], row["dtype"],
-                                             row["net_options"])["static_bytes"]
+@dataclass(frozen=True)
+class Built:
+    """What ``build`` makes of a cell: the model, its input and loss, the trace, the graph the strategies solve
+    on (the trace's, or one rank's under sharding), what every plan holds besides the graph's values
+    (``static_bytes``), and the net's own blocks or sequence (``structure``, for the PyTorch peers)."""
+
+    model: torch.nn.Module
+    example_input: torch.Tensor
+    loss_fn: Callable
+    traced: Traced
+    graph: strategies.Graph
+    static_bytes: int
+    structure: dict
+
+
+def build(cell: Cell) -> Built:
+    """The cell's net, built and traced (kept between cells where that is safe: NOTE [traces kept between cells])."""
+    made = _traced_for(cell)
+    static_bytes, graph = fixed_bytes(made.model, made.example_input), made.traced.graph
+    if cell.sharded:  # NOTE [a rank under FSDP2] in harness/sharding.py
+        static_bytes = sharding.fsdp2_static(cell.net, cell.world_size, cell.optimizer, cell.dtype,
+                                             cell.net_options)["static_bytes"]
         graph = dataclasses.replace(graph, param_grads_released=True)
-    # A strategy that follows the net's own layout (a PyTorch peer) gets the zoo's blocks or sequence; they
-    # stay out of the row's options, which name the result file (options given in the row win in _solve).
-    structure = nets.structure(row["net"], model, **row["net_options"])
-    plan = _solve(row, graph, static_bytes, peers.zoo_options(row["strategy"], structure))
-    step = None
-    if plan.schedule is None:  # a Checkmate schedule: see _measure_cell
-        if plan.runner is not None:
-            step = peers.step(plan, model, structure, example_input, loss_fn, compile=row["compiled"])
-        elif row["compiled"]:
-            check_compilable(plan)
-            step = compiled_plan_step(traced, plan, example_input, loss_fn)
-        else:
-            step = lambda: execute(traced, plan, example_input, loss_fn=loss_fn)  # noqa: E731
-        if sharded:
-            step = partial(_released, model, step)
-    return SimpleNamespace(model=model, example_input=example_input, loss_fn=loss_fn, traced=traced, plan=plan,
-                           static_bytes=static_bytes, step=step, graph=graph)
+    return Built(model=made.model, example_input=made.example_input, loss_fn=made.loss_fn, traced=made.traced,
+                 graph=graph, static_bytes=static_bytes,
+                 structure=nets.structure(cell.net, made.model, **cell.net_options))
 
 
-def _released(model, step):
+def plan(cell: Cell, built: Built) -> Plan:
+    """The cell's strategy's plan within its budget (``InfeasibleBudget``, carrying the least, where none fits).
+    A strategy that follows the net's own layout (a PyTorch peer) gets the zoo's blocks or sequence; they stay
+    out of the cell's options, which name the row's file (options the cell gives win)."""
+    options = {**peers.zoo_options(cell.strategy, built.structure), **cell.options}
+    return solve_on_device(cell.strategy, built.graph, cell.budget_bytes, built.static_bytes, options)
+
+
+def least_budget(cell: Cell, built: Built | None = None) -> int | None:
+    """The least budget (bytes of the whole device) any plan of the cell's strategy fits, by the strategy's own
+    search (None where it does not know it); the cell's budget is not read."""
+    built = built or build(cell)
+    options = {**peers.zoo_options(cell.strategy, built.structure), **cell.options}
+    least = strategies.least_budget(cell.strategy, built.graph, **options)
+    return None if least is None else least + built.static_bytes
+
+
+def step(cell: Cell, built: Built, plan: Plan) -> Callable[[], object] | None:
+    """The training step that runs ``plan``: a PyTorch peer's own, the compiled plan's, or the executor's
+    (None for a general schedule, which the executor cannot run: see ``measure``)."""
+    if plan.schedule is not None:
+        return None
+    if plan.runner is not None:
+        training_step = peers.step(plan, built.model, built.structure, built.example_input, built.loss_fn,
+                                   compile=cell.compiled)
+    elif cell.compiled:
+        check_compilable(plan)
+        training_step = compiled_plan_step(built.traced, plan, built.example_input, built.loss_fn)
+    else:
+        training_step = partial(execute, built.traced, plan, built.example_input, loss_fn=built.loss_fn)
+    if cell.sharded:
+        training_step = partial(_released, built.model, training_step)
+    return training_step
+
+
+def _released(model, training_step):
     with sharding.gradients_released(model):
-        return step()
+        return training_step()
 
 
-def _measure_cell(row: dict, plan_out=None) -> dict:
-    """The measured and predicted fields of ``row``'s cell. NOTE [what the compiler holds besides the plan]:
+def _measure_cell(cell: Cell, plan_out=None) -> dict:
+    """The measured and predicted fields of ``cell``. NOTE [what the compiler holds besides the plan]:
     a compiled step may hold more than the plan's replay predicts (PSPNet at batch 8 on meta: 0.71 to 0.83 GB
     at every budget, its partitioner saving what the plan does not know of). A compiled cell with a budget
     that measures over it is solved again with that excess taken off the budget, and compiled and measured
@@ -213,80 +210,84 @@ def _measure_cell(row: dict, plan_out=None) -> dict:
     workspaces, the allocator's rounding) to both, and that reserve, which every eager row carries over its
     budget as well (``device_reserve_bytes``), is no plan's doing: solving again for it would compile
     ResNet-152 twice for nothing. ``plan_out``: a file the measured plan is written to (``harness.plans``)."""
-    measured, cell = _measured_cell(row)
+    built = build(cell)
+    chosen = plan(cell, built)
+    measured = measure(cell, built, chosen, step(cell, built, chosen))
+    budget, peak, predicted = cell.budget_bytes, measured["measured_peak_bytes"], measured["predicted_peak_bytes"]
+    if cell.compiled and None not in (budget, peak, predicted) and peak > budget:
+        eager = _eager_peak(cell, built, chosen, predicted)
+        excess = peak - eager
+        if excess <= 0:
+            measured = {**measured, "device_reserve_bytes": eager - predicted}
+        else:
+            chosen = _solved_again(cell, built, excess)
+            built = build(cell)  # a compiled cell's model is built afresh (NOTE [traces kept between cells])
+            measured = {**measure(cell, built, chosen, step(cell, built, chosen)), "compile_excess_bytes": excess,
+                        "plan_budget_bytes": budget - excess}
     if plan_out is not None:
-        save_plan(plan_out, cell.plan, cell.traced, cell.example_input, options=row["options"],
-                  budget_bytes=row["budget_bytes"], predicted_peak_bytes=measured["predicted_peak_bytes"])
+        save_plan(plan_out, chosen, built.traced, built.example_input, options=cell.options,
+                  budget_bytes=cell.budget_bytes, predicted_peak_bytes=measured["predicted_peak_bytes"])
     return measured
 
 
-def _measured_cell(row: dict) -> tuple[dict, SimpleNamespace]:
-    """``_measure_cell``'s fields, and the cell whose plan they measured."""
-    cell = build_cell(row)
-    measured = _measure_built(row, cell)
-    budget, peak, predicted = row["budget_bytes"], measured["measured_peak_bytes"], measured["predicted_peak_bytes"]
-    if not row["compiled"] or budget is None or peak is None or predicted is None or peak <= budget:
-        return measured, cell
-    eager = _eager_peak(row, cell, predicted)
-    excess = peak - eager
-    if excess <= 0:
-        return {**measured, "device_reserve_bytes": eager - predicted}, cell
+def _solved_again(cell: Cell, built: Built, excess: int) -> Plan:
+    """The compiled cell's plan for its budget less what the compiler held besides the first plan."""
     try:
-        cell = build_cell({**row, "budget_bytes": budget - excess})
+        return plan(cell.but(budget_bytes=cell.budget_bytes - excess), built)
     except strategies.InfeasibleBudget as error:
-        raise strategies.InfeasibleBudget(budget, error.min_feasible_bytes and error.min_feasible_bytes + excess,
-                                          f"{row['strategy']} (compiled, which holds {excess} bytes besides the "
-                                          "plan's eager run)") from error
-    return {**_measure_built(row, cell), "compile_excess_bytes": excess, "plan_budget_bytes": budget - excess}, cell
+        raise strategies.InfeasibleBudget(cell.budget_bytes, error.min_feasible_bytes and error.min_feasible_bytes
+                                          + excess, f"{cell.strategy} (compiled, which holds {excess} bytes "
+                                          "besides the plan's eager run)") from error
 
 
-def _eager_peak(row: dict, cell: SimpleNamespace, predicted: int) -> int:
-    """What ``cell``'s plan holds at its peak run eager on the row's device (NOTE [what the compiler holds
-    besides the plan])."""
-    if row["device"] != "cuda" or cell.plan.runner is not None:
+def _eager_peak(cell: Cell, built: Built, chosen: Plan, predicted: int) -> int:
+    """What ``chosen`` holds at its peak run eager on the cell's device (NOTE [what the compiler holds besides
+    the plan])."""
+    if cell.device != "cuda" or chosen.runner is not None:
         return predicted
-    eager = measure(lambda: execute(cell.traced, cell.plan, cell.example_input, loss_fn=cell.loss_fn), cell.model,
-                    (cell.example_input,), "cuda", warmup_steps=0, timed_steps=0)
+    eager = measure_step(partial(execute, built.traced, chosen, built.example_input, loss_fn=built.loss_fn),
+                         built.model, (built.example_input,), "cuda", warmup_steps=0, timed_steps=0)
     return eager.peak_bytes
 
 
-def _measure_built(row: dict, cell: SimpleNamespace) -> dict:
-    traced, plan, static_bytes, graph = cell.traced, cell.plan, cell.static_bytes, cell.graph
-    predicted = strategies.simulate(graph, plan, liveness=True)
-    predicted_no_liveness = strategies.simulate(graph, plan, liveness=False)
-    if plan.schedule is not None:
+def measure(cell: Cell, built: Built, chosen: Plan, training_step: Callable[[], object] | None) -> dict:
+    """The row's measured fields of ``training_step`` (``step``'s) and the simulator's prediction beside them."""
+    graph, static_bytes = built.graph, built.static_bytes
+    predicted = strategies.simulate(graph, chosen, liveness=True)
+    predicted_no_liveness = strategies.simulate(graph, chosen, liveness=False)
+    if training_step is None:
         # A Checkmate schedule may recompute a node several times, out of the autograd engine's order: the
         # executor cannot run it, so the row holds the prediction only and says so.
         measured = {**dict.fromkeys(_MEASURED),
                     "method": "not run: the executor runs stage plans, not general (R, S) schedules"}
     else:
-        compiled = row["compiled"] or plan.runner == Runner.TORCH_COMPILE
-        measured = _measured(measure(cell.step, cell.model, (cell.example_input,), row["device"],
-                                     row["warmup_steps"], row["timed_steps"], compiled=compiled))
-        measured["compile_time_s"] = getattr(cell.step, "compile_time_s", None)
-        if row.get("shard", "none") != "none" and measured["measured_peak_bytes"] is not None:
+        compiled = cell.compiled or chosen.runner == Runner.TORCH_COMPILE
+        measured = _measured(measure_step(training_step, built.model, (built.example_input,), cell.device,
+                                          cell.warmup_steps, cell.timed_steps, compiled=compiled))
+        measured["compile_time_s"] = getattr(training_step, "compile_time_s", None)
+        if cell.sharded and measured["measured_peak_bytes"] is not None:
             # One rank: FSDP2's static part, and the step's peak less the whole model it ran with
-            whole = fixed_bytes(cell.model, cell.example_input)
+            whole = fixed_bytes(built.model, built.example_input)
             measured["rank_activations_bytes"] = measured["measured_peak_bytes"] - whole
             measured["rank_static_bytes"] = static_bytes
             for key in ("measured_peak_bytes", "tracker_peak_bytes"):
                 measured[key] += static_bytes - whole
-        if row["device"] == "cuda" and measured["tracker_peak_bytes"] is not None:
+        if cell.device == "cuda" and measured["tracker_peak_bytes"] is not None:
             # What the device adds beyond the one accounting: cuDNN's and cuBLAS's workspaces, allocator rounding.
             measured["device_reserve_bytes"] = measured["measured_peak_bytes"] - measured["tracker_peak_bytes"]
-    predicts = plan.predicted  # torch.compile's partitioner decides out of the IR's sight
+    predicts = chosen.predicted  # torch.compile's partitioner decides out of the IR's sight
     return {
         **measured,
         "predicted_peak_bytes": predicted.peak_bytes + static_bytes if predicts else None,
         "predicted_peak_no_liveness_bytes": predicted_no_liveness.peak_bytes + static_bytes if predicts else None,
         "predicted_overhead_cost": predicted.overhead_cost if predicts else None, "total_cost": sum(graph.cost),
-        "predicted_step_flops": step_flops(graph, plan) if predicts and plan.schedule is None else None,
-        "static_bytes": static_bytes, "node_count": len(graph), "layer_count": len(traced.group_of),
-        "stage_count": len(plan.stages), "recomputed_node_count": bin(plan.recomputed).count("1"),
-        "solve_time_s": plan.solve_time_s, **{f"plan_{key}": value for key, value in plan.info.items()},
+        "predicted_step_flops": step_flops(graph, chosen) if predicts and chosen.schedule is None else None,
+        "static_bytes": static_bytes, "node_count": len(graph), "layer_count": len(built.traced.group_of),
+        "stage_count": len(chosen.stages), "recomputed_node_count": bin(chosen.recomputed).count("1"),
+        "solve_time_s": chosen.solve_time_s, **{f"plan_{key}": value for key, value in chosen.info.items()},
         # the rows' fields as they were when these lived in ``info``: data for the tables, not control flow
-        **({"plan_runner": plan.runner} if plan.runner else {}),
-        **({} if plan.predicted else {"plan_prediction": plan.info.get("prediction", "none")}),
+        **({"plan_runner": chosen.runner} if chosen.runner else {}),
+        **({} if chosen.predicted else {"plan_prediction": chosen.info.get("prediction", "none")}),
     }
 
 
@@ -317,17 +318,14 @@ def fixed_bytes(model, example_input) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers(), example_input])
 
 
-def _solve(row: dict, graph, static_bytes: int, zoo_options: dict):
-    return solve_on_device(row["strategy"], graph, row["budget_bytes"], static_bytes, {**zoo_options, **row["options"]})
-
-
 def solve_on_device(strategy: str, graph, budget: int | None, static_bytes: int, options: dict):
     """The strategy's plan; ``budget`` counts the whole device, the strategy's leaves out what every plan holds
-    anyway (``static_bytes``: parameters, buffers, the input batch)."""
+    anyway (``static_bytes``: parameters, buffers, the input batch). Where none fits, ``InfeasibleBudget``
+    carries the least whole-device budget that does."""
+    if budget is not None and budget <= static_bytes:  # the fixed part alone does not fit: say what would
+        least = strategies.least_budget(strategy, graph, **options)
+        raise strategies.InfeasibleBudget(budget, None if least is None else least + static_bytes, strategy)
     try:
-        if budget is not None and budget <= static_bytes:  # the fixed part alone does not fit: say what would
-            strategies.solve(strategy, graph, 1, **options)  # raises, with the least by its own count
-            raise strategies.InfeasibleBudget(budget, None)
         return strategies.solve(strategy, graph, None if budget is None else budget - static_bytes, **options)
     except strategies.InfeasibleBudget as error:
         minimum = None if error.min_feasible_bytes is None else error.min_feasible_bytes + static_bytes

@@ -44,7 +44,7 @@ _MODULES = {
 }
 
 __all__ = ["Action", "Graph", "Inapplicable", "InfeasibleBudget", "Plan", "Prediction", "SolverTimeout",
-           "available", "bits", "cycle_collector_off", "members", "module", "simulate", "solve"]
+           "available", "bits", "cycle_collector_off", "least_budget", "members", "module", "simulate", "solve"]
 
 
 # The strategies with a ``mode`` option, tc (time-centric) or mc (memory-centric).
@@ -85,6 +85,17 @@ def solve(name: str, graph: Graph, budget_bytes: int | None = None, **options) -
     with cycle_collector_off():
         plan = strategy.solve(graph, budget_bytes, options=strategy.Options(**options))
     return dataclasses.replace(plan, solve_time_s=time.perf_counter() - start)
+
+
+def least_budget(name: str, graph: Graph, **options) -> int | None:
+    """The least budget any plan of strategy ``name`` fits on ``graph`` (None where the strategy does not know it).
+    Every strategy, given a budget below its least, raises ``InfeasibleBudget`` carrying that least; a budget of one
+    byte is below every plan's."""
+    try:
+        solve(name, graph, 1, **options)
+    except InfeasibleBudget as error:
+        return error.min_feasible_bytes
+    return 1
 
 
 @contextlib.contextmanager

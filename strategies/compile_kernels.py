@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from strategies import Graph, InfeasibleBudget, solve
+from strategies import Graph, least_budget, solve
 
 
 def compile_all() -> None:
@@ -16,10 +16,7 @@ def compile_all() -> None:
     graph = Graph(mem_bytes=[4 + v % 5 for v in nodes], cost=[1 + v % 3 for v in nodes], edges=edges)
     for name in ("approx_dp", "exact_dp"):
         for mode in ("tc", "mc"):
-            try:
-                solve(name, graph, 1, mode=mode)
-            except InfeasibleBudget as error:
-                solve(name, graph, 2 * error.min_feasible_bytes, mode=mode)
+            solve(name, graph, 2 * least_budget(name, graph, mode=mode), mode=mode)
             solve(name, graph, mode=mode)
 
 

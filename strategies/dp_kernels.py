@@ -392,6 +392,27 @@ def _levels(ahead, count):
 
 
 @njit(cache=True)
+def _ahead(values, objective, to_go):
+    """Per set, the least value still to come from it on (``pareto_chains``' bound; inf: no bound)."""
+    if objective == 1:
+        return values[:, TIME] - values[:, TIME_BOUNDARY] + to_go
+    if objective == 2:
+        return to_go - values[:, TIME]
+    return np.full(values.shape[0], np.inf)  # the stage peak has no such bound: no rows, nothing left out
+
+
+@njit(cache=True)
+def _grown(frontier, parents, capacity):
+    """The frontier and its parents with room for ``capacity`` states a set."""
+    count = frontier.shape[0]
+    grown = np.zeros((count, capacity, 2))
+    grown[:, :frontier.shape[1]] = frontier
+    grown_parents = np.zeros((count, capacity, 2), dtype=np.int32)
+    grown_parents[:, :parents.shape[1]] = parents
+    return grown, grown_parents
+
+
+@njit(cache=True)
 def pareto_chains(sets, budget, objective, most, to_go, cutoff, deadline):
     """Forward DP keeping, per set, the Pareto frontier of (value, cache) over the chains that reach it
     within ``budget`` and can still finish (``cache <= most``). ``objective``: 0 value = the stage peak
@@ -409,13 +430,7 @@ def pareto_chains(sets, budget, objective, most, to_go, cutoff, deadline):
     # overhead, so the value at L_j is at least best + sign t(L_i) + ahead[j], best being the least value
     # at L_i: the sets where that bound exceeds the cutoff are left out a word at a time, by ``_levels``.
     sign = -1.0 if objective == 1 else 1.0
-    if objective == 1:
-        ahead = values[:, TIME] - values[:, TIME_BOUNDARY] + to_go
-    elif objective == 2:
-        ahead = to_go - values[:, TIME]
-    else:
-        ahead = np.full(count, np.inf)  # the stage peak has no such bound: no rows, nothing left out
-    thresholds, beyond, masks = _levels(ahead, count)
+    thresholds, beyond, masks = _levels(_ahead(values, objective, to_go), count)
     new, new_parents = np.empty((0, 2)), np.empty((0, 2), dtype=np.int32)  # one transition's states, by cache
     scratch, scratch_parents = np.empty((0, 2)), np.empty((0, 2), dtype=np.int32)
     slack = 1e-9 * max(1.0, abs(cutoff))  # the bound and the values sum in another order
@@ -434,12 +449,7 @@ def pareto_chains(sets, budget, objective, most, to_go, cutoff, deadline):
             continue
         if largest + k > capacity:  # one set gets at most k states from set i
             capacity = 2 * (largest + k)
-            grown = np.zeros((count, capacity, 2))
-            grown[:, :frontier.shape[1]] = frontier
-            frontier = grown
-            grown_parents = np.zeros((count, capacity, 2), dtype=np.int32)
-            grown_parents[:, :parents.shape[1]] = parents
-            parents = grown_parents
+            frontier, parents = _grown(frontier, parents, capacity)
         if len(new) < capacity:
             new, new_parents = np.empty((capacity, 2)), np.empty((capacity, 2), dtype=np.int32)
             scratch, scratch_parents = np.empty((capacity, 2)), np.empty((capacity, 2), dtype=np.int32)

@@ -212,24 +212,8 @@ class Graph:
         put("names", tuple(names) if names is not None else tuple(f"v{i}" for i in range(n)))
         put("kinds", tuple(kinds) if kinds is not None else tuple("op" for _ in range(n)))
         _validate(self)
-        preds = [[] for _ in range(n)]
-        succs = [[] for _ in range(n)]
-        for u, v in self.edges:
-            preds[v].append(u)
-            succs[u].append(v)
-        put("preds", tuple(tuple(p) for p in preds))
-        put("succs", tuple(tuple(s) for s in succs))
-        put("pred_mask", tuple(bits(p) for p in preds))
-        put("succ_mask", tuple(bits(s) for s in succs))
-        put("pred_words", words_of(self.pred_mask, n))
-        put("succ_words", words_of(self.succ_mask, n))
-        ancestors = []
-        for v in range(n):  # topological order: every predecessor's ancestors are known already
-            mask = 1 << v
-            for u in preds[v]:
-                mask |= ancestors[u]
-            ancestors.append(mask)
-        put("ancestor_mask", tuple(ancestors))
+        _put_adjacency(self)
+        preds, succs = self.preds, self.succs
         reads = backward_reads if backward_reads is not None else preds
         put("backward_reads", tuple(tuple(sorted(set(r))) for r in reads))
         extra = saved_extra_bytes if saved_extra_bytes is not None else [0] * n
@@ -364,6 +348,31 @@ class Graph:
             if nodes >> v & 1:
                 nodes |= self.pred_mask[v] & within
         return nodes
+
+
+def _put_adjacency(graph: Graph) -> None:
+    """The fields a ``Graph`` derives from its edges: each node's predecessors and successors, as tuples, bitsets
+    and rows of words, and its ancestors."""
+    n = len(graph)
+    put = lambda key, value: object.__setattr__(graph, key, value)  # noqa: E731 (frozen dataclass)
+    preds = [[] for _ in range(n)]
+    succs = [[] for _ in range(n)]
+    for u, v in graph.edges:
+        preds[v].append(u)
+        succs[u].append(v)
+    put("preds", tuple(tuple(p) for p in preds))
+    put("succs", tuple(tuple(s) for s in succs))
+    put("pred_mask", tuple(bits(p) for p in preds))
+    put("succ_mask", tuple(bits(s) for s in succs))
+    put("pred_words", words_of(graph.pred_mask, n))
+    put("succ_words", words_of(graph.succ_mask, n))
+    ancestors = []
+    for v in range(n):  # topological order: every predecessor's ancestors are known already
+        mask = 1 << v
+        for u in preds[v]:
+            mask |= ancestors[u]
+        ancestors.append(mask)
+    put("ancestor_mask", tuple(ancestors))
 
 
 def _validate(graph: Graph) -> None:

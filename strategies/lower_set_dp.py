@@ -272,13 +272,8 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
         return plan
 
     if memory_model == "paper":  # Kusumoto et al.'s: the budget is equation (2)'s
-        if budget_bytes is None:
-            return plan_within(minimal_budget(table, upper, check, deadline))
-        plan = plan_within(budget_bytes - param_grads)
-        if plan is None:
-            least = int(minimal_budget(table, upper, check, deadline))
-            raise InfeasibleBudget(budget_bytes, least + param_grads, strategy)
-        return plan
+        return _by_equation_2(plan_within, lambda: minimal_budget(table, upper, check, deadline), budget_bytes,
+                              param_grads, strategy)
     # (stages, kept) -> its replay, and the layer in whose backward it peaks: nearby budgets often give one plan
     replayed: dict[tuple, tuple] = {}
 
@@ -329,6 +324,17 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
     if peak > budget_bytes:  # the minimum reported: any budget at or above it is met
         raise InfeasibleBudget(budget_bytes, peak, strategy)
     return _within(plan_within, replay, scanned, replays, budget_bytes, mode, top) or plan
+
+
+def _by_equation_2(plan_within, least, budget_bytes: int | None, param_grads: int, strategy: str) -> Plan:
+    """The plan within ``budget_bytes`` by equation (2) (None: at its minimal budget, ``least()``), as Kusumoto et al.
+    2019 has it; ``InfeasibleBudget`` carries that minimum where none fits."""
+    if budget_bytes is None:
+        return plan_within(least())
+    plan = plan_within(budget_bytes - param_grads)
+    if plan is None:
+        raise InfeasibleBudget(budget_bytes, int(least()) + param_grads, strategy)
+    return plan
 
 
 def _least_replay(graph: Graph, plans: list[Plan], replayed_of, budget_bytes: int | None, deadline: float,

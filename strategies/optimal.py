@@ -99,15 +99,10 @@ def _least_overhead(cp_model, graph: Graph, budget_bytes: int | None, options: O
     """The plan of least recomputation within ``budget_bytes`` (None: the first seed's peak), searched from the
     cheapest of ``seeds`` that fits (default: the DPs' plans at the budget) until ``deadline``."""
     start = time.perf_counter()
-    best, best_cost, least_known = None, math.inf, None
+    least_known = None
     if seeds is None:
         seeds, least_known = _dp_seeds(graph, budget_bytes, options.time_limit_s / 4)
-    for seed in seeds:  # the better plan the DPs find is the first best
-        prediction = simulate(graph, seed)
-        if budget_bytes is None:
-            budget_bytes = prediction.peak_bytes
-        if prediction.peak_bytes <= budget_bytes and prediction.overhead_cost < best_cost:
-            best, best_cost = seed, prediction.overhead_cost
+    best, best_cost, budget_bytes = _best_seed(graph, seeds, budget_bytes)
     try:
         kept_only = _Relaxation(cp_model, graph, budget_bytes, stages=False, deadline=deadline)
     except _OutOfTime:  # not even the model without stages in time: the DPs' plan, unproven
@@ -162,24 +157,10 @@ def _least_overhead(cp_model, graph: Graph, budget_bytes: int | None, options: O
             model.at_least(kept_only.bound)
             if best is not None:
                 model.hint(best)
-    while model is not kept_only:
-        left = deadline - time.perf_counter()
-        found = model.cheapest(best_cost, left, options.workers) if left > 0 else "timeout"
-        if found is None:  # no plan the model holds is cheaper than the best: proven
-            break
-        if found == "timeout":
-            status = "timeout"
-            break
-        plan = Plan.from_stages(graph, found[0], kept=found[1], strategy="optimal", budget_bytes=budget_bytes)
-        prediction = simulate(graph, plan)
-        log.debug("optimal: proposed cost %g (relaxed %g), replay %d bytes of %d, %.1f s", prediction.overhead_cost,
-                  model.proposed, prediction.peak_bytes, budget_bytes, time.perf_counter() - start)
-        if prediction.peak_bytes <= budget_bytes and prediction.overhead_cost < best_cost:
-            best, best_cost = plan, prediction.overhead_cost
-        elif prediction.peak_bytes > budget_bytes:
-            _held_at_peak(model, plan)
-        model.cut(plan)
-        cuts += 1
+    if model is not kept_only:
+        best, best_cost, status, replayed = _cheaper_plans(model, graph, budget_bytes, best, best_cost, deadline,
+                                                           options, start)
+        cuts += replayed
     bound = best_cost if status == "optimal" else min(best_cost, model.bound)
     if best is None:
         if status == "timeout":
@@ -191,6 +172,43 @@ def _least_overhead(cp_model, graph: Graph, budget_bytes: int | None, options: O
     plan = Plan(strategy="optimal", stages=best.stages, kept=best.kept, budget_bytes=budget_bytes,
                 info={"optimal_status": status, "lower_bound": bound, "gap": gap, "plans_replayed": cuts})
     return plan
+
+
+def _best_seed(graph: Graph, seeds: list[Plan], budget_bytes: int | None) -> tuple[Plan | None, float, int]:
+    """The cheapest of ``seeds`` within ``budget_bytes`` (None: the first seed's peak), its cost, and the budget."""
+    best, best_cost = None, math.inf
+    for seed in seeds:  # the better plan the DPs find is the first best
+        prediction = simulate(graph, seed)
+        if budget_bytes is None:
+            budget_bytes = prediction.peak_bytes
+        if prediction.peak_bytes <= budget_bytes and prediction.overhead_cost < best_cost:
+            best, best_cost = seed, prediction.overhead_cost
+    return best, best_cost, budget_bytes
+
+
+def _cheaper_plans(model: _Relaxation, graph: Graph, budget_bytes: int, best: Plan | None, best_cost: float,
+                   deadline: float, options: Options, start: float) -> tuple[Plan | None, float, str, int]:
+    """Plans the model with stages proposes, cheapest first, each replayed and cut, until none is cheaper than the
+    best (proven: status ``optimal``) or the deadline (``timeout``); the best, its cost, the status and the count
+    of plans replayed."""
+    cuts = 0
+    while True:
+        left = deadline - time.perf_counter()
+        found = model.cheapest(best_cost, left, options.workers) if left > 0 else "timeout"
+        if found is None:  # no plan the model holds is cheaper than the best: proven
+            return best, best_cost, "optimal", cuts
+        if found == "timeout":
+            return best, best_cost, "timeout", cuts
+        plan = Plan.from_stages(graph, found[0], kept=found[1], strategy="optimal", budget_bytes=budget_bytes)
+        prediction = simulate(graph, plan)
+        log.debug("optimal: proposed cost %g (relaxed %g), replay %d bytes of %d, %.1f s", prediction.overhead_cost,
+                  model.proposed, prediction.peak_bytes, budget_bytes, time.perf_counter() - start)
+        if prediction.peak_bytes <= budget_bytes and prediction.overhead_cost < best_cost:
+            best, best_cost = plan, prediction.overhead_cost
+        elif prediction.peak_bytes > budget_bytes:
+            _held_at_peak(model, plan)
+        model.cut(plan)
+        cuts += 1
 
 
 def _least_memory(cp_model, graph: Graph, budget_bytes: int | None, options: Options, deadline: float) -> Plan:

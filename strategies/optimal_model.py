@@ -79,17 +79,37 @@ class _Relaxation:
         # least_memory: the budget is a variable, the peak, at most ``budget_bytes`` and minimised (NOTE [the least
         # memory]); ``budget_bytes`` is then what a proposed plan's replay must stay within, lowered by ``under``
         self.cp_model, self.graph, self.budget_bytes = cp_model, graph, budget_bytes
-        self.least_memory = least_memory
+        self.least_memory, self.deadline = least_memory, deadline
+        self.K = len(graph) if stages else 1
+        self.model = cp_model.CpModel()
+        self._stage_order()
+        self._recomputations(least_memory, budget_bytes)
+        self._backward_calls()
+        self._as_the_backward_begins()
+        self.bound = 0.0
+        self.earlier = {}  # kept value -> it is kept and a backward of an earlier stage reads it
+        for i in range(self.K if stages else 0):
+            self._stage(i)
+        for v in holding:
+            self._on_time()
+            self.hold_for_recomputation(v)
+
+    def _on_time(self) -> None:
+        """The build looks at the clock as it goes (the model with stages has n clauses an edge)."""
+        if time.perf_counter() > self.deadline:
+            raise _OutOfTime
+
+    def _stage_order(self) -> None:
+        """Each node's stage and whether its value is kept, and the clauses that make the stages a chain of lower
+        sets with no gap."""
+        graph, K, model, clause = self.graph, self.K, self.model, self._clause
         n = len(graph)
-        self.K = K = n if stages else 1
-        model = self.model = cp_model.CpModel()
-        clause = self._clause
         # ge[v][i]: s_v >= i, the order encoding of each node's stage (ge[v][0] is True, ge[v][K] False). Every
         # stage before v's holds a node that is neither v nor one of its descendants (those are in v's stage or
         # later), so s_v is at most the count of those: above it ge[v][i] is False, and the clauses it is in are
         # settled as they are written (a chain's node i may be in stages 0 to i, not n of them: on ResNet-152 and
         # DenseNet-161, 28-31% fewer constraints).
-        below = [0] * n  # each node's descendants, itself left out
+        self.below = below = [0] * n  # each node's descendants, itself left out
         for x in range(n):
             for v in members_of(graph.ancestor_mask[x] & ~(1 << x)):
                 below[v] |= 1 << x
@@ -97,39 +117,38 @@ class _Relaxation:
         self.ge = ge = [[True] + [model.new_bool_var("") for _ in range(top[v])] + [False] * (K - top[v])
                         for v in range(n)]
         self.kept = kept = [model.new_bool_var("") for _ in range(n)]
-
-        def on_time():  # the build looks at the clock as it goes (the model with stages has n clauses an edge)
-            if time.perf_counter() > deadline:
-                raise _OutOfTime
-
         for v in range(n):
             if v % 64 == 0:
-                on_time()
+                self._on_time()
             for i in range(2, K):
                 clause([_not(ge[v][i]), ge[v][i - 1]])
         for e, (u, v) in enumerate(graph.edges):
             if e % 16 == 0:
-                on_time()
+                self._on_time()
             for i in range(1, K):
                 clause([_not(ge[u][i]), ge[v][i]])  # s_u <= s_v
                 clause([_not(ge[v][i]), ge[u][i], kept[u]])  # s_v > s_u only if u is kept
         # No gap between stages: where a node is at stage i or later, some node is at stage i - 1.
         for i in range(1, K):
             if i % 16 == 0:
-                on_time()
+                self._on_time()
             later = model.new_bool_var("")
             for v in range(n):
                 clause([_not(ge[v][i]), later])
             model.Add(sum(ge[v][i - 1] - ge[v][i] for v in range(n)) >= 1).OnlyEnforceIf(later)
 
-        readers = [[] for _ in range(n)]  # the backwards that run and read each value
+    def _recomputations(self, least_memory: bool, budget_bytes: int) -> None:
+        """Which values are recomputed, what that costs, and the objective: that cost, or the peak."""
+        graph, model, clause, kept = self.graph, self.model, self._clause, self.kept
+        n = len(graph)
+        self.readers = readers = [[] for _ in range(n)]  # the backwards that run and read each value
         for w in range(n):
             if graph.reached[w]:
                 for u in graph.backward_reads[w]:
                     readers[u].append(w)
-        read = [u for u in range(n) if (readers[u] or u in graph.loss_reads) and graph.mem_bytes[u]]
-        wanted = set(read) | {u for u in range(n) if graph.reached[u] and graph.saves_more(u)}
-        recomputed = [model.new_bool_var("") for _ in range(n)]
+        self.read = [u for u in range(n) if (readers[u] or u in graph.loss_reads) and graph.mem_bytes[u]]
+        wanted = set(self.read) | {u for u in range(n) if graph.reached[u] and graph.saves_more(u)}
+        self.recomputed = recomputed = [model.new_bool_var("") for _ in range(n)]
         for u in wanted:
             clause([recomputed[u], kept[u]])
         for p, u in graph.edges:
@@ -143,14 +162,17 @@ class _Relaxation:
             self.budget, self.objective, self.scale = budget_bytes, self.cost, cost_scale
         model.Minimize(self.objective)
 
-        size, held, extra = graph.mem_bytes, graph.loss_held_bytes, graph.saved_extra_bytes
-        params = [(v, graph.param_bytes[v]) for v in range(n)  # released ones count for nothing (``_moments``)
-                  if graph.reached[v] and graph.param_bytes[v] and not graph.param_grads_released]
-        extras = [u for u in range(n) if graph.reached[u] and extra[u]]
+    def _backward_calls(self) -> None:
+        """Which backwards recompute their stage, what each holds, and each layer's moments (``_moments``)."""
+        graph, model, clause, kept = self.graph, self.model, self._clause, self.kept
+        n = len(graph)
+        self.params = [(v, graph.param_bytes[v]) for v in range(n)  # released ones count for nothing (``_moments``)
+                       if graph.reached[v] and graph.param_bytes[v] and not graph.param_grads_released]
+        self.extras = [u for u in range(n) if graph.reached[u] and graph.saved_extra_bytes[u]]
         # calls[w]: w's backward recomputes its stage (it reads a discarded value, or its layer's extras are).
         users = [name for names in graph.shared_state for name in names]
-        in_order = len(users) == len(set(users))  # each stage runs in node order (replay.forward_order)
-        calls = [model.new_bool_var("") for _ in range(n)]
+        self.in_order = len(users) == len(set(users))  # each stage runs in node order (replay.forward_order)
+        self.calls = calls = [model.new_bool_var("") for _ in range(n)]
         for w in range(n):
             reads = list(graph.backward_reads[w]) if graph.reached[w] else []
             if graph.reached[w] and graph.saves_more(w):
@@ -160,10 +182,10 @@ class _Relaxation:
             clause([_not(calls[w])] + [_not(kept[u]) for u in reads])  # and only then
         for u in members_of(nothing_reads(graph)):
             model.Add(kept[u] == 1)  # kept or not, the same step
-        own_gradient = [{u: graph.reached[u] and u not in graph.preds_without_grad[x]
-                         and not any(u in shared for shared, _ in graph.grad_shares[x])
-                         for u in graph.preds[x]} for x in range(n)]
-        self.readers, self.read, self.extras, self.own_gradient = readers, read, extras, own_gradient
+        self.own_gradient = own_gradient = [
+            {u: graph.reached[u] and u not in graph.preds_without_grad[x]
+             and not any(u in shared for shared, _ in graph.grad_shares[x]) for u in graph.preds[x]}
+            for x in range(n)]
         # per value, the layers whose backward gives it a gradient buffer of its own; per node, the later layers
         # whose backward runs and reaches it (its reached descendants): bitsets, for ``_moments``
         self.givers = [0] * n
@@ -172,120 +194,132 @@ class _Relaxation:
                 if own:
                     self.givers[u] |= 1 << x
         reached = sum(1 << x for x in range(n) if graph.reached[x])
-        self.ran = [mask & reached for mask in below]
+        self.ran = [mask & reached for mask in self.below]
         self.holding: set[int] = set()  # layers whose moments also count what a recomputation will read
-        self.to_come: dict[int, list] = {}  # stage -> its ``to_come`` literals (below), in the model with stages
+        self.to_come: dict[int, list] = {}  # stage -> its ``to_come`` literals (``_stage``), in the model with stages
         for v in range(n):
             if graph.reached[v]:
                 if v % 64 == 0:
-                    on_time()
+                    self._on_time()
                 for moment in self._moments(v)[0]:
                     self._at_most(moment)
-        # As the backward begins: every kept value a backward reads, what the loss's backward reads (recomputed
-        # first where discarded), every kept layer's extras, and the loss's gradients and working buffers.
-        turn = [size[u] if u in graph.loss_reads else size[u] * kept[u] for u in read]
-        turn += [extra[u] * kept[u] for u in extras]
+
+    def _as_the_backward_begins(self) -> None:
+        """What is held as the backward begins: every kept value a backward reads, what the loss's backward reads
+        (recomputed first where discarded), every kept layer's extras, and the loss's gradients and working
+        buffers."""
+        graph, model, clause, kept = self.graph, self.model, self._clause, self.kept
+        size, extra = graph.mem_bytes, graph.saved_extra_bytes
+        turn = [size[u] if u in graph.loss_reads else size[u] * kept[u] for u in self.read]
+        turn += [extra[u] * kept[u] for u in self.extras]
         # Where the loss's backward reads no discarded value, no stage is recomputed yet: a kept value that no
         # backward reads is held for the recomputation that reads it (GPT-2's attention inputs, their q, k, v
         # discarded).
-        loss_discards = [_not(kept[u]) for u in graph.loss_reads]
-        waiting = [u for u in range(n) if size[u] and graph.succs[u]]  # each may be held for a recomputation
-        for u in set(waiting) - set(read):
+        self.loss_discards = [_not(kept[u]) for u in graph.loss_reads]
+        # each may be held for a recomputation
+        self.waiting = [u for u in range(len(graph)) if size[u] and graph.succs[u]]
+        for u in set(self.waiting) - set(self.read):
             waits = model.new_bool_var("")
             for s in graph.succs[u]:
-                clause([waits, _not(kept[u]), _not(recomputed[s])] + loss_discards)
+                clause([waits, _not(kept[u]), _not(self.recomputed[s])] + self.loss_discards)
             turn.append(size[u] * waits)
         made = sum(graph.loss_grad_bytes[v] for v in graph.outputs if graph.reached[v]) + graph.loss_bytes
-        self._at_most(sum(turn) + made + held)
-        self.bound = 0.0
-        earlier = {}  # kept value -> it is kept and a backward of an earlier stage reads it
-        value_grads = [(u, x) for x in range(n) if graph.reached[x] for u, own in own_gradient[x].items()
-                       if own and size[u]]
-        for i in range(K if stages else 0):
-            on_time()
-            grads = sum(p * ge[v][i + 1] for v, p in params)  # parameter gradients of later stages
-            # to_come[w]: a node of stage i from w on recomputes the stage, so the backward of a node of stage i
-            # before w comes after that recomputation.
-            to_come = [False] * (n + 1)
-            for w in reversed(range(n)) if in_order else ():
-                to_come[w], here = model.new_bool_var(""), model.new_bool_var("")
-                clause([to_come[w], _not(to_come[w + 1])])
-                clause([to_come[w], _not(ge[w][i]), ge[w][i + 1], _not(calls[w])])
-                clause([_not(to_come[w]), to_come[w + 1], here])  # and only then
-                for literal in (ge[w][i], _not(ge[w][i + 1]), calls[w]):
-                    clause([_not(here), literal])
-            made = []  # the stage's discarded values a backward reads
-            for u in read:
-                d = model.new_bool_var("")
-                clause([d, kept[u], _not(ge[u][i]), ge[u][i + 1]])
-                made.append(size[u] * d)
-            # kept values a backward of an earlier stage, or of this one still to come, reads, or that an earlier
-            # stage's recomputation will read
-            held_kept = {}
-            for u in read:
-                if not readers[u]:
-                    continue
-                held_kept[u] = d = model.new_bool_var("")
-                for w in readers[u] if in_order else ():
-                    clause([d, _not(kept[u]), _not(ge[w][i]), ge[w][i + 1], _not(to_come[w + 1])])
-            for u in waiting if i else ():
-                d = self._literal(held_kept, u)
-                for s in graph.succs[u]:
-                    clause([d, _not(kept[u]), _not(recomputed[s]), ge[s][i]] + loss_discards)
-            for u, d in held_kept.items():
-                if u in earlier:
-                    clause([d, _not(earlier[u])])
-            wanted_extras = []  # extras of kept layers of earlier stages, and of this one's still to come
-            for u in extras:
-                d = model.new_bool_var("")
-                clause([d, _not(kept[u]), ge[u][i]])
-                if in_order:
-                    clause([d, _not(ge[u][i]), ge[u][i + 1], _not(to_come[u + 1])])
-                wanted_extras.append(extra[u] * d)
-            done = []  # parameter gradients of the stage's layers whose backward came before its recomputation
-            for v, p in params if in_order else ():
-                d = model.new_bool_var("")
-                clause([d, _not(ge[v][i]), ge[v][i + 1], to_come[v]])
-                done.append(p * d)
-            # gradients that the backwards run so far made, in buffers of their own, for values whose backward has
-            # not ended (U-Net's skip connections; the stage's own, from the backwards before its recomputation)
-            to_receive, to_receive_first = {}, {}
-            for u, x in value_grads:
-                g = self._literal(to_receive, u)
-                clause([g, ge[u][i], _not(ge[x][i + 1])])
-                if in_order:
-                    in_stage, x_in_stage_before = [_not(ge[u][i]), ge[u][i + 1], _not(to_come[u])], \
-                        [_not(ge[x][i]), ge[x][i + 1], to_come[x]]
-                    clause([g] + in_stage + [_not(ge[x][i + 1])])
-                    clause([g, ge[u][i]] + x_in_stage_before)
-                    clause([g] + in_stage + x_in_stage_before)
-                g = self._literal(to_receive_first, u)
-                clause([g, ge[u][i + 1], _not(ge[x][i + 1])])
-            self._at_most(sum(made) + sum(size[u] * d for u, d in held_kept.items()) + sum(wanted_extras) + sum(done)
-                          + grads + held + sum(size[u] * g for u, g in to_receive.items()))
-            # kept values a backward of stage i or earlier reads, or their recomputations, and kept extras
-            now, kept_extras = {}, []
-            for u in read:
-                if readers[u]:
-                    now[u] = y = model.new_bool_var("")
-                    for w in readers[u]:
-                        clause([y, _not(kept[u]), ge[w][i + 1]])
-            for u in waiting:
-                y = self._literal(now, u)
-                for s in graph.succs[u]:
-                    clause([y, _not(kept[u]), _not(recomputed[s]), ge[s][i + 1]] + loss_discards)
-            for u in extras:
-                d = model.new_bool_var("")
-                clause([d, _not(kept[u]), ge[u][i + 1]])
-                kept_extras.append(extra[u] * d)
-            self._at_most(sum(size[u] * y for u, y in now.items()) + sum(kept_extras) + grads + held
-                          + sum(size[u] * g for u, g in to_receive_first.items()))
-            earlier = now
+        self._at_most(sum(turn) + made + graph.loss_held_bytes)
+        self.value_grads = [(u, x) for x in range(len(graph)) if graph.reached[x]
+                            for u, own in self.own_gradient[x].items() if own and size[u]]
+
+    def _stage(self, i: int) -> None:
+        """The moments of stage ``i``'s backward: as its recomputation ends, and as its last backward is done."""
+        graph, model, clause, kept, ge = self.graph, self.model, self._clause, self.kept, self.ge
+        n, size, extra, held = len(graph), graph.mem_bytes, graph.saved_extra_bytes, graph.loss_held_bytes
+        readers, in_order, calls = self.readers, self.in_order, self.calls
+        self._on_time()
+        grads = sum(p * ge[v][i + 1] for v, p in self.params)  # parameter gradients of later stages
+        # to_come[w]: a node of stage i from w on recomputes the stage, so the backward of a node of stage i
+        # before w comes after that recomputation.
+        to_come = [False] * (n + 1)
+        for w in reversed(range(n)) if in_order else ():
+            to_come[w], here = model.new_bool_var(""), model.new_bool_var("")
+            clause([to_come[w], _not(to_come[w + 1])])
+            clause([to_come[w], _not(ge[w][i]), ge[w][i + 1], _not(calls[w])])
+            clause([_not(to_come[w]), to_come[w + 1], here])  # and only then
+            for literal in (ge[w][i], _not(ge[w][i + 1]), calls[w]):
+                clause([_not(here), literal])
+        made = []  # the stage's discarded values a backward reads
+        for u in self.read:
+            d = model.new_bool_var("")
+            clause([d, kept[u], _not(ge[u][i]), ge[u][i + 1]])
+            made.append(size[u] * d)
+        # kept values a backward of an earlier stage, or of this one still to come, reads, or that an earlier
+        # stage's recomputation will read
+        held_kept = {}
+        for u in self.read:
+            if not readers[u]:
+                continue
+            held_kept[u] = d = model.new_bool_var("")
+            for w in readers[u] if in_order else ():
+                clause([d, _not(kept[u]), _not(ge[w][i]), ge[w][i + 1], _not(to_come[w + 1])])
+        for u in self.waiting if i else ():
+            d = self._literal(held_kept, u)
+            for s in graph.succs[u]:
+                clause([d, _not(kept[u]), _not(self.recomputed[s]), ge[s][i]] + self.loss_discards)
+        for u, d in held_kept.items():
+            if u in self.earlier:
+                clause([d, _not(self.earlier[u])])
+        wanted_extras = []  # extras of kept layers of earlier stages, and of this one's still to come
+        for u in self.extras:
+            d = model.new_bool_var("")
+            clause([d, _not(kept[u]), ge[u][i]])
             if in_order:
-                self.to_come[i] = to_come
-        for v in holding:
-            on_time()
-            self.hold_for_recomputation(v)
+                clause([d, _not(ge[u][i]), ge[u][i + 1], _not(to_come[u + 1])])
+            wanted_extras.append(extra[u] * d)
+        done = []  # parameter gradients of the stage's layers whose backward came before its recomputation
+        for v, p in self.params if in_order else ():
+            d = model.new_bool_var("")
+            clause([d, _not(ge[v][i]), ge[v][i + 1], to_come[v]])
+            done.append(p * d)
+        to_receive, to_receive_first = self._gradients_to_receive(i, to_come)
+        self._at_most(sum(made) + sum(size[u] * d for u, d in held_kept.items()) + sum(wanted_extras) + sum(done)
+                      + grads + held + sum(size[u] * g for u, g in to_receive.items()))
+        # kept values a backward of stage i or earlier reads, or their recomputations, and kept extras
+        now, kept_extras = {}, []
+        for u in self.read:
+            if readers[u]:
+                now[u] = y = model.new_bool_var("")
+                for w in readers[u]:
+                    clause([y, _not(kept[u]), ge[w][i + 1]])
+        for u in self.waiting:
+            y = self._literal(now, u)
+            for s in graph.succs[u]:
+                clause([y, _not(kept[u]), _not(self.recomputed[s]), ge[s][i + 1]] + self.loss_discards)
+        for u in self.extras:
+            d = model.new_bool_var("")
+            clause([d, _not(kept[u]), ge[u][i + 1]])
+            kept_extras.append(extra[u] * d)
+        self._at_most(sum(size[u] * y for u, y in now.items()) + sum(kept_extras) + grads + held
+                      + sum(size[u] * g for u, g in to_receive_first.items()))
+        self.earlier = now
+        if in_order:
+            self.to_come[i] = to_come
+
+    def _gradients_to_receive(self, i: int, to_come: list) -> tuple[dict, dict]:
+        """Gradients that the backwards run so far made, in buffers of their own, for values whose backward has
+        not ended (U-Net's skip connections; the stage's own, from the backwards before its recomputation): as
+        stage ``i``'s recomputation ends, and as the stage begins."""
+        clause, ge = self._clause, self.ge
+        to_receive, to_receive_first = {}, {}
+        for u, x in self.value_grads:
+            g = self._literal(to_receive, u)
+            clause([g, ge[u][i], _not(ge[x][i + 1])])
+            if self.in_order:
+                in_stage, x_in_stage_before = [_not(ge[u][i]), ge[u][i + 1], _not(to_come[u])], \
+                    [_not(ge[x][i]), ge[x][i + 1], to_come[x]]
+                clause([g] + in_stage + [_not(ge[x][i + 1])])
+                clause([g, ge[u][i]] + x_in_stage_before)
+                clause([g] + in_stage + x_in_stage_before)
+            g = self._literal(to_receive_first, u)
+            clause([g, ge[u][i + 1], _not(ge[x][i + 1])])
+        return to_receive, to_receive_first
 
     def _moments(self, v: int) -> tuple[list, set[int]]:
         """The memory at v's backward, whatever the stages, as linear expressions, and the values they count.

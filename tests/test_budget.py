@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from harness.budget import parse_budget
-from harness.run import cell_row
+from harness.cell import make_cell
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -49,5 +49,5 @@ def test_device_means_the_free_memory_of_a_cuda_device_only():
 def test_the_command_line_and_the_row_mean_the_same_bytes(override, nbytes):
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         config = compose("config", overrides=["+net=resnet50", "+strategy=vanilla", override])
-    row = cell_row("resnet50", "vanilla", budget=config.budget)
-    assert row["budget_bytes"] == nbytes == parse_budget(override.split("=")[1] if nbytes else None)
+    cell = make_cell("resnet50", "vanilla", budget=config.budget)
+    assert cell.budget_bytes == nbytes == parse_budget(override.split("=")[1] if nbytes else None)

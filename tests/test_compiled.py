@@ -273,14 +273,14 @@ def eager_plus(monkeypatch, over: list[int]):
     def eager_step(traced, plan, example_input, loss_fn):
         return lambda: execute(traced, plan, example_input, loss_fn=loss_fn)
 
-    measure_built = harness.run._measure_built
+    measure = harness.run.measure
 
-    def planted(row, cell):
-        measured = measure_built({**row, "compiled": False}, cell)
+    def planted(cell, built, chosen, training_step):
+        measured = measure(cell.but(compiled=False), built, chosen, training_step)
         return {**measured, "measured_peak_bytes": measured["measured_peak_bytes"] + over[0]}
 
     monkeypatch.setattr(harness.run, "compiled_plan_step", eager_step)
-    monkeypatch.setattr(harness.run, "_measure_built", planted)
+    monkeypatch.setattr(harness.run, "measure", planted)
 
 
 def test_a_compiled_plan_over_its_budget_is_solved_again_for_what_the_compiler_holds(monkeypatch):
@@ -310,11 +310,11 @@ def test_a_compiled_plan_over_its_budget_by_the_devices_reserve_alone_is_not_sol
     compiled again; a byte more and the cell is solved again for that byte."""
     import harness.run
 
-    build_cell, builds = harness.run.build_cell, []
+    plan, builds = harness.run.plan, []
 
-    def counted(row):
-        builds.append(row["budget_bytes"])
-        return build_cell(row)
+    def counted(cell, built):
+        builds.append(cell.budget_bytes)
+        return plan(cell, built)
 
     cell = dict(batch_size=2, image_size=64, options={"mode": "tc"})
     least = run_cell("resnet50", "approx_dp", budget=1, **cell)["min_feasible_bytes"]
@@ -324,8 +324,8 @@ def test_a_compiled_plan_over_its_budget_by_the_devices_reserve_alone_is_not_sol
     reserve = budget - eager["predicted_peak_bytes"] + 2**20  # the step measures a MiB over its budget
     compiled_over = [reserve]
     eager_plus(monkeypatch, compiled_over)
-    monkeypatch.setattr(harness.run, "build_cell", counted)
-    monkeypatch.setattr(harness.run, "_eager_peak", lambda row, cell, predicted: predicted + reserve)
+    monkeypatch.setattr(harness.run, "plan", counted)
+    monkeypatch.setattr(harness.run, "_eager_peak", lambda cell, built, chosen, predicted: predicted + reserve)
     row = run_cell("resnet50", "approx_dp", budget=budget, compile=True, **cell)
     assert row["status"] == "ok", row.get("error")
     assert row["measured_peak_bytes"] > budget and builds == [budget]

@@ -67,13 +67,13 @@ def test_a_run_writes_one_row(tmp_path):
 
 def test_a_copy_whose_git_is_stale_is_told_its_commit(monkeypatch):
     """A GPU node gets the working tree with a stale .git: the script that sends it tells the rows the commit it was sent at."""
-    from harness.run import cell_row
+    from harness.run import _environment
 
-    here = cell_row("resnet50", "vanilla")
+    here = _environment()
     assert len(here["git_commit"]) == 40 and isinstance(here["git_dirty"], bool)
     for told, dirty in (("0123abc", False), ("0123abc dirty", True)):
         monkeypatch.setenv("HARNESS_GIT_COMMIT", told)
-        row = cell_row("resnet50", "vanilla")
+        row = _environment()
         assert (row["git_commit"], row["git_dirty"]) == ("0123abc", dirty)
 
 
@@ -228,13 +228,13 @@ import harness.run as run
 
 measure, markers = run._measure_cell, pathlib.Path(sys.argv.pop(1))
 
-def planted(row, *rest):
-    (markers / f"started_{row['batch_size']}").touch()
-    if row["batch_size"] == 3:
+def planted(cell, *rest):
+    (markers / f"started_{cell.batch_size}").touch()
+    if cell.batch_size == 3:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (planted)")
-    if row["batch_size"] == 4:
+    if cell.batch_size == 4:
         time.sleep(600)
-    return measure(row, *rest)
+    return measure(cell, *rest)
 
 run._measure_cell = planted
 import runpy
@@ -285,7 +285,7 @@ def test_a_cell_measured_in_a_process_of_its_own_is_the_cell_measured_here(tmp_p
     """``isolate`` (the default on cuda: a CUDA OOM leaves its process's device full) on meta, where it costs
     one process start. Measuring is broken in this process: only a fresh one measures."""
     here = run_cell("vgg19", "chen_sqrt", batch_size=2, image_size=32)
-    monkeypatch.setattr(harness.run, "_measure_cell", lambda row, plan_out: 1 / 0)
+    monkeypatch.setattr(harness.run, "_measure_cell", lambda cell, plan_out: 1 / 0)
     assert run_cell("vgg19", "chen_sqrt", batch_size=2, image_size=32)["status"] == "error"
     apart = run_cell("vgg19", "chen_sqrt", batch_size=2, image_size=32, isolate=True, results_dir=tmp_path)
     assert apart["status"] == "ok", apart.get("error")
@@ -338,7 +338,7 @@ def test_a_key_nothing_reads_or_an_option_refused_stops_the_run_before_anything_
                                                                                           monkeypatch):
     import harness.__main__ as entry
 
-    monkeypatch.setattr(entry, "run_cell", lambda *args, **kwargs: pytest.fail("the cell ran"))
+    monkeypatch.setattr(entry, "run", lambda *args, **kwargs: pytest.fail("the cell ran"))
     net = [] if any(o.startswith("+net=") for o in overrides) else ["+net=vgg19"]
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         cfg = compose("config", overrides=[*net, *overrides])

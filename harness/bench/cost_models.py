@@ -107,10 +107,10 @@ def main(argv=None) -> None:
     cost_models = args.cost_models.split(",")
     if unknown := sorted(set(cost_models) - set(COST_MODELS)):
         raise SystemExit(f"unknown cost models {', '.join(unknown)}; valid: {', '.join(COST_MODELS)}")
-    progress = tqdm(total=2 + args.points * len(cost_models), desc=f"cost models, {args.net}")
+    progress = tqdm(total=1 + args.points * len(cost_models), desc=f"cost models, {args.net}")
     cells = Cells(args.net, args.batch, args.side, args.device, args.rows, args.from_rows, args.timed_steps, progress)
     vanilla = cells.run("vanilla", compile=args.compile)
-    least = cells.run("approx_dp", budget=1, compile=args.compile).get("min_feasible_bytes")
+    least = cells.least("approx_dp")
     if vanilla.get("status") != Status.OK or least is None:
         raise SystemExit(f"{args.net}: vanilla gave {vanilla.get('status')} ({vanilla.get('error', '')}); "
                          f"approx_dp's minimum: {least}")

@@ -40,8 +40,9 @@ from harness.bench.common import command_of, made_by
 from harness import nets
 from harness.exact import compare, switch_on_randomness, tolerance
 from harness.execute import execute
-from harness.measure import measure
-from harness.results import write_row
+from harness.cell import make_cell
+from harness.results import Status, write_row
+from harness.run import run
 from harness.trace import trace
 
 STRATEGIES = ("approx_dp", "chen_sqrt", "swap")
@@ -87,8 +88,8 @@ def smp_model(architecture: str, encoder: str, classes: int = 2):
     return nets.SmpForward(getattr(smp, architecture)(encoder, encoder_weights=None, classes=classes))
 
 
-def _build(name: str, side: int, batch: int, device: str, dtype: str = "float32"):
-    """Model, input and loss of a catalogue entry at ``side``, in ``dtype``."""
+def _settings(name: str, side: int | None, batch: int | None, device: str) -> tuple[str, int | None, int | None, dict]:
+    """The net (a ``SOURCE:NAME`` of ``harness.models``), batch, side and net options of a catalogue entry."""
     options = {}
     if name.startswith("smp:"):  # through the module source, as a user's own factory goes
         _, architecture, encoder = name.split(":")
@@ -96,15 +97,22 @@ def _build(name: str, side: int, batch: int, device: str, dtype: str = "float32"
         name = "module:harness.bench.coverage:smp_model"
     elif name.startswith("hf:"):  # on meta at the net's own sizes: batch 8, up to 1024 tokens
         if device == "meta":
-            return nets.build(name, None, None, device, dtype)
-        return nets.build(name, batch, side, device, dtype, kwargs=HF_SMALL)
+            return name, None, None, {}
+        options = {"kwargs": HF_SMALL}
     elif name.startswith("timm:") and _takes_drop_path(name.removeprefix("timm:")):
         options = {"kwargs": {"drop_path_rate": 0.1}}
     elif name.startswith("torchvision:vit_"):
         patch = int(name.rsplit("_", 1)[1])
         side = side if side == 224 else 4 * patch
         options = {"kwargs": {"image_size": side}}
-    return nets.build(name, batch, side, device, dtype, **options)
+    return name, batch, side, options
+
+
+def _build(name: str, side: int, batch: int, device: str, dtype: str = "float32"):
+    """Model, input and loss of a catalogue entry at ``side``, in ``dtype``, built to be traced with its randomness
+    switched on first (``exact.switch_on_randomness``)."""
+    net, batch, side, options = _settings(name, side, batch, device)
+    return nets.build(net, batch, side, device, dtype, **options)
 
 
 @functools.cache  # asked by the CPU build and the meta build of each model
@@ -173,18 +181,20 @@ def cover(name: str, dtype: str = "float32") -> dict:
 
 
 def _reduction(name: str, side: int, dtype: str) -> dict:
-    """vanilla and approx_dp (mc) measured on meta at the model's usual size."""
-    try:
-        model, x, loss_fn = _build(name, side, META_BATCH, "meta", dtype)
-        traced = trace(model, x, loss_fn=loss_fn)  # the DP counts the loss's buffers it will run beside
-        peaks = {}
-        for label, strategy, options in (("vanilla", "vanilla", {}), ("approx_dp_mc", "approx_dp", {"mode": "mc"})):
-            plan = strategies.solve(strategy, traced.graph, **options)
-            peaks[label] = measure(lambda: execute(traced, plan, x, loss_fn=loss_fn), model, (x,), "meta", 0, 0).peak_bytes
-    except Exception as error:
-        return {"meta_error": _reason(error)}
-    return {"meta_side": x.shape[-1], "meta_batch": len(x), "vanilla_gb": peaks["vanilla"] / 1e9,
-            "approx_dp_mc_gb": peaks["approx_dp_mc"] / 1e9,
+    """vanilla and approx_dp (mc) measured on meta at the model's usual size, a cell each."""
+    net, batch, side, options = _settings(name, side, META_BATCH, "meta")
+    rows = {}
+    for label, strategy, strategy_options in (("vanilla", "vanilla", {}), ("approx_dp_mc", "approx_dp", {"mode": "mc"})):
+        try:
+            rows[label] = run(make_cell(net, strategy, batch_size=batch, image_size=side, dtype=dtype,
+                                        options=strategy_options, net_options=options, warmup_steps=0, timed_steps=0))
+        except Exception as error:  # bad settings: the reason is the row's point
+            return {"meta_error": _reason(error)}
+        if rows[label]["status"] != Status.OK:
+            return {"meta_error": str(rows[label].get("error", rows[label]["status"])).splitlines()[0][:800]}
+    peaks = {label: row["measured_peak_bytes"] for label, row in rows.items()}
+    return {"meta_side": rows["vanilla"]["image_size"], "meta_batch": rows["vanilla"]["batch_size"],
+            "vanilla_gb": peaks["vanilla"] / 1e9, "approx_dp_mc_gb": peaks["approx_dp_mc"] / 1e9,
             "reduction": 1 - peaks["approx_dp_mc"] / peaks["vanilla"]}
 
 

@@ -44,8 +44,9 @@ from harness.bench.common import add_rows_options, command_of, made_by, save_fig
 from harness.bench.style import style  # noqa: E402
 from harness import nets  # noqa: E402
 from harness.budget import parse_budget  # noqa: E402
+from harness.cell import make_cell  # noqa: E402
 from harness.results import DEVICE_TIME_NOTE, Status, device_time, label, read_row, stored_path  # noqa: E402
-from harness.run import run_cell  # noqa: E402
+from harness.run import least_budget, run  # noqa: E402
 
 NETS = {"resnet152": (128, 224), "pspnet": (8, 712), "gpt2": (8, 1024), "llama_1b": (4, 2048), "llama_8b": (1, 4096)}
 RATIOS = (0.0, 0.2, 0.5, 0.8, 1.0)
@@ -71,11 +72,13 @@ class Cells:
         self.cost_model = cost_model
         self.rows: list[dict] = []
 
+    def cell(self, strategy, *, budget=None, options=None, compile=False, cost_model=None):
+        return make_cell(self.net, strategy, batch_size=self.batch, image_size=self.side, device=self.device,
+                         budget=budget, options=options or {}, warmup_steps=2, timed_steps=self.timed_steps,
+                         compile=compile, cost_model=cost_model or self.cost_model)
+
     def run(self, strategy, *, budget=None, options=None, compile=False, point=None, cost_model=None) -> dict:
         cost_model = cost_model or self.cost_model
-        kwargs = dict(batch_size=self.batch, image_size=self.side, device=self.device, budget=budget,
-                      options=options or {}, warmup_steps=2, timed_steps=self.timed_steps, compile=compile,
-                      cost_model=cost_model)
         self.progress.set_postfix_str(f"{self.net} {strategy}{' compiled' if compile else ''}"
                                       + (f" {budget / 1e9:.2f} GB" if budget else ""))
         if self.from_rows:
@@ -86,10 +89,22 @@ class Cells:
                                                          "strategy": strategy, "compiled": compile,
                                                          "error": "no row in --rows: not run"}
         else:
-            row = run_cell(self.net, strategy, results_dir=self.rows_dir, resume=True, **kwargs)
+            row = run(self.cell(strategy, budget=budget, options=options, compile=compile, cost_model=cost_model),
+                      results_dir=self.rows_dir, resume=True)
         self.progress.update()
         self.rows.append({**row, "point": point or strategy})
         return row
+
+    def least(self, strategy) -> int | None:
+        """The least budget any plan of ``strategy`` fits (``harness.run.least_budget``), where its spread of budgets
+        starts; ``from_rows``, the least budget an eager row of it under --rows was run at."""
+        if not self.from_rows:
+            return least_budget(self.cell(strategy))
+        stem = f"{self.net}__{strategy}__b{self.batch}__s{self.side}__"
+        budgets = [row["budget_bytes"] for row in map(read_row, Path(self.rows_dir).glob(f"{stem}*.json"))
+                   if row.get("budget_bytes") and not row.get("options") and not row.get("compiled")
+                   and row.get("cost_model") == self.cost_model and row.get("status") != Status.INFEASIBLE]
+        return min(budgets, default=None)
 
 
 def net_points(cells: Cells, dp_points: int, swap_points: int, strategies=None, ratios=RATIOS,
@@ -114,8 +129,7 @@ def net_points(cells: Cells, dp_points: int, swap_points: int, strategies=None, 
             if strategy == "approx_dp" and dp_budgets:
                 budgets = list(dp_budgets)
             else:
-                least = cells.run(strategy, budget=1, point=f"{strategy} (its minimum)").get("min_feasible_bytes")
-                cells.rows.pop()  # the probe for the minimum is not a point
+                least = cells.least(strategy)
                 if least is None:
                     continue
                 top = max(top, least)

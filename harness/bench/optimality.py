@@ -26,7 +26,8 @@ from harness import nets, peers
 from harness.bench.common import command_of, made_by, plt, save_figure
 from harness.bench.style import line_style, style
 from harness.results import is_number, label, read_row, write_row
-from harness.run import traced_net
+from harness.cell import make_cell
+from harness.run import build
 
 GB = 1e9
 FRACTIONS = (0.0, 0.25, 0.5, 0.75)  # of the way from approx_dp tc's minimal budget to vanilla's peak
@@ -89,8 +90,8 @@ def run(net_names, out: Path, limit_s: float) -> pd.DataFrame:
                 rows.append(read_row(path))
                 continue
             if graph is None:
-                built = traced_net(net)
-                graph, structure = built.traced.graph, nets.structure(net, built.model)
+                built = build(make_cell(net, "optimal"))
+                graph, structure = built.graph, built.structure
                 least, vanilla, budget_list = budgets(graph)
             row = {"net": net, "batch": nets.spec(net).batch_size, "nodes": len(graph), "of the way": fraction,
                    "budget GB": budget_list[k] / GB, "vanilla GB": vanilla / GB,

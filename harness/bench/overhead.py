@@ -42,7 +42,8 @@ from harness.bench.profile_step import aten_calls, host_ops
 from harness.execute import call_node, recorded_recomputations
 from harness.measure import clear_grads, collected_then_held_off
 from harness.results import label
-from harness.run import build_cell, cell_row
+from harness.cell import make_cell
+from harness.run import build, plan, step as plan_step
 from harness.state import generators_of, state_kept
 from harness.traced import Traced
 from harness.train import CheckpointedStages
@@ -129,32 +130,33 @@ def measure_cell(net: str, strategy: str, options: dict, device: str, steps: int
     """The cell's row of figures (``regions``: its plan run as checkpoint regions); ``strategies.Inapplicable``
     where the strategy has no plan for the net, or the plan no such form."""
     batch, side = SIZES[net]
-    row = cell_row(net, strategy, batch_size=batch, image_size=side, device=device, options=options)
-    cell = build_cell(row)
+    cell = make_cell(net, strategy, batch_size=batch, image_size=side, device=device, options=options)
+    built = build(cell)
+    chosen = plan(cell, built)
+    run = plan_step(cell, built, chosen)
     with recorded_recomputations() as stages:
-        clear_grads(cell.model)
-        cell.step()  # the first step learns what each call needs
+        clear_grads(built.model)
+        run()  # the first step learns what each call needs
     recomputed = [name for stage in stages for name in stage]
-    run = cell.step
     if regions:
         try:
-            module = CheckpointedStages(cell.traced, cell.plan, cell.example_input)
+            module = CheckpointedStages(built.traced, chosen, built.example_input)
         except ValueError as error:
             raise strategies.Inapplicable(str(error)) from None
 
         def run():
-            cell.loss_fn(module(cell.example_input)).backward()
+            built.loss_fn(module(built.example_input)).backward()
 
-        clear_grads(cell.model)
+        clear_grads(built.model)
         run()  # the regions' own warm-up step
 
     def step():
-        clear_grads(cell.model)
+        clear_grads(built.model)
         run()
 
     ops, python_ms, wall_ms = ops_and_python(step, device, steps)
     calls = python_calls(step) if device == "cpu" else None
-    own_ops, own_python, own_calls = plain_recomputation(cell.traced, cell.example_input, recomputed, steps) \
+    own_ops, own_python, own_calls = plain_recomputation(built.traced, built.example_input, recomputed, steps) \
         if recomputed else (0.0, 0.0, 0)
     name = label(strategy, options) + (" as checkpoint regions" if regions else "")
     return {"net": net, "batch": batch, "side": side, "strategy": name, "wall ms": wall_ms,

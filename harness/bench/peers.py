@@ -24,7 +24,8 @@ import strategies
 from harness import nets, peers
 from harness.peers import PEERS
 from harness.results import Status, load_results
-from harness.run import fixed_bytes, traced_net
+from harness.cell import make_cell
+from harness.run import build
 from strategies.ilp_optimal import Options as IlpOptions
 from strategies.ilp_optimal import within_replay
 
@@ -45,10 +46,8 @@ def measured_peaks(rows: pd.DataFrame, net: str) -> dict[tuple[str, str], float]
 
 
 def bench_net(net: str, rows: pd.DataFrame, time_limit_s: float, max_stages: int) -> list[dict]:
-    built = traced_net(net)
-    model, x, graph = built.model, built.example_input, built.traced.graph
-    structure = nets.structure(net, model)
-    static = fixed_bytes(model, x)
+    built = build(make_cell(net, "vanilla"))
+    graph, structure, static = built.graph, built.structure, built.static_bytes
     measured = measured_peaks(rows, net)
     vanilla = measured.get(("vanilla", ""))
     out = []

@@ -1,7 +1,8 @@
 """Where one training step's time goes: ``python -m harness.bench.profile_step OUT_STEM NET STRATEGY [--budget
 6GB] [--device cuda] [--compile]``.
 
-Builds the cell as ``run_cell`` does (``harness.run.build_cell``), runs ``--warmup`` steps, then ``--steps`` steps
+Builds the cell as ``harness.run.run`` does (its stages ``build``, ``plan`` and ``step``), runs ``--warmup``
+steps, then ``--steps`` steps
 unprofiled, then ``--steps`` steps under ``torch.profiler``, and writes ``OUT_STEM.md``: the step's wall time,
 unprofiled and profiled (the profiler's own cost is the difference); the host time the executor's recomputations
 took in the backward (``RECOMPUTE_EVENT``: their ops and their Python); the host time spent inside ATen ops
@@ -27,7 +28,8 @@ from torch.profiler import ProfilerActivity, profile
 from harness.bench.common import command_of, made_by
 from harness.execute import RECOMPUTE_EVENT
 from harness.measure import clear_grads
-from harness.run import build_cell, cell_row
+from harness.cell import make_cell
+from harness.run import build, plan, step
 
 
 def host_ops(events, steps: int, device: str) -> pd.DataFrame:
@@ -45,16 +47,16 @@ def aten_calls(ops: pd.DataFrame) -> float:
     return ops[~ops["op"].str.startswith("cuda")]["calls per step"].sum()
 
 
-def profile_cell(cell, device: str, warmup: int, steps: int, trace_path: Path | None = None):
-    """(figures, ops table) of ``steps`` profiled steps of ``cell`` (``build_cell``'s), after ``warmup`` steps
-    and ``steps`` unprofiled ones."""
+def profile_cell(model, training_step, device: str, warmup: int, steps: int, trace_path: Path | None = None):
+    """(figures, ops table) of ``steps`` profiled steps of ``training_step`` (``harness.run.step``'s) on ``model``,
+    after ``warmup`` steps and ``steps`` unprofiled ones."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def ms_per_step(count: int) -> float:
         start = time.perf_counter()
         for _ in range(count):
-            clear_grads(cell.model)
-            cell.step()
+            clear_grads(model)
+            training_step()
         sync()
         return (time.perf_counter() - start) * 1e3 / max(count, 1)
 
@@ -101,13 +103,15 @@ def main(argv=None) -> None:
     parser.add_argument("--top", type=int, default=25, help="ops listed")
     parser.add_argument("--trace", action="store_true", help="also write the Chrome trace, OUT_STEM.json")
     args = parser.parse_args(argv)
-    row = cell_row(args.net, args.strategy, batch_size=args.batch, image_size=args.side, device=args.device,
-                   budget=args.budget, options={"mode": args.mode} if args.mode else {}, compile=args.compile)
-    cell = build_cell(row)
-    if cell.step is None:
+    cell = make_cell(args.net, args.strategy, batch_size=args.batch, image_size=args.side, device=args.device,
+                     budget=args.budget, options={"mode": args.mode} if args.mode else {}, compile=args.compile)
+    built = build(cell)
+    chosen = plan(cell, built)
+    training_step = step(cell, built, chosen)
+    if training_step is None:
         raise SystemExit(f"{args.strategy} gives a general schedule, which the executor does not run")
     args.out_stem.parent.mkdir(parents=True, exist_ok=True)
-    figures, ops = profile_cell(cell, args.device, args.warmup, args.steps,
+    figures, ops = profile_cell(built.model, training_step, args.device, args.warmup, args.steps,
                                 args.out_stem.with_suffix(".json") if args.trace else None)
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     command = command_of("profile_step", argv)
@@ -115,8 +119,8 @@ def main(argv=None) -> None:
     ops.to_csv(args.out_stem.with_suffix(".csv"), index=False, float_format="%.4g")
     args.out_stem.with_suffix(".md").write_text(
         f"{made_by(command)}, on {where} ({'compiled' if args.compile else 'eager'}; "
-        f"{args.net} batch {row['batch_size']}, side {row['image_size']}; plan: {len(cell.plan.stages)} stage(s), "
-        f"{bin(cell.plan.recomputed).count('1')} recomputed IR nodes). Per step, mean of {args.steps} profiled "
+        f"{args.net} batch {cell.batch_size}, side {cell.image_size}; plan: {len(chosen.stages)} stage(s), "
+        f"{bin(chosen.recomputed).count('1')} recomputed IR nodes). Per step, mean of {args.steps} profiled "
         f"steps after {args.warmup} warm-ups and {args.steps} unprofiled steps; every op in `{args.out_stem.name}.csv`."
         "\n\n" + "\n".join(lines) + "\n\n"
         + ops.head(args.top).to_markdown(index=False, floatfmt=".4g") + "\n")

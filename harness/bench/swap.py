@@ -27,15 +27,12 @@ import torch
 from torchvision.models.resnet import Bottleneck, ResNet
 from tqdm import tqdm
 
-from harness.bench.common import command_of, made_by
 import strategies
-from harness.execute import execute
+from harness.bench.common import command_of, made_by
 from harness.bench.max_batch import largest_batch as search_largest
-from harness.measure import measure
-from harness.nets import classification_loss
+from harness.cell import make_cell
 from harness.results import Status
-from harness.run import fixed_bytes, run_cell
-from harness.trace import trace
+from harness.run import build, measure, plan, run, step
 from strategies.simulate import swap_step_time
 
 GIB = 2**30
@@ -55,38 +52,41 @@ def label(strategy: str, options: dict) -> str:
 def largest_batch(strategy: str, options: dict, device: str, progress) -> int:
     """The largest ResNet-50 batch whose run fits ``DEVICE_BUDGET`` (the plan's budget and the measured peak)."""
     def fits(batch: int) -> bool:
-        row = run_cell("resnet50", strategy, batch_size=batch, image_size=224, device=device,
-                       budget=DEVICE_BUDGET, options=options, warmup_steps=1, timed_steps=3)
+        row = run(make_cell("resnet50", strategy, batch_size=batch, image_size=224, device=device,
+                            budget=DEVICE_BUDGET, options=options, warmup_steps=1, timed_steps=3))
         progress.set_postfix_str(f"{label(strategy, options)} batch {batch}: {row['status']}")
         return row["status"] == Status.OK and row["measured_peak_bytes"] <= DEVICE_BUDGET
 
     return search_largest(fits, guess=144)  # Meng et al.'s vanilla figure
 
 
+def meng_resnet(blocks: list[int]) -> torch.nn.Module:
+    """A ResNet of bottleneck ``blocks`` per stage (``RESNETS``), as a ``module:`` net's factory."""
+    return ResNet(Bottleneck, blocks)
+
+
 def resnet_rows(name: str, device: str) -> list[dict]:
     """Vanilla and swap (every candidate) on one ResNet at batch 32: measured and predicted peaks, and the
     predicted step time on each device model."""
-    with torch.device(device):
-        model = ResNet(Bottleneck, RESNETS[name]).train()
-    x = torch.randn(32, 3, 224, 224, device=device)
-    traced = trace(model, x, loss_fn=classification_loss)
-    static = fixed_bytes(model, x)
-    rows = []
+    built, rows = None, []
     for (strategy, options), paper_mb in zip(CELLS[:2], MENG_2017_PEAK_MB[name]):
-        plan = strategies.solve(strategy, traced.graph, **options)
+        cell = make_cell("module:harness.bench.swap:meng_resnet", strategy, batch_size=32, image_size=224,
+                         device=device, options=options, net_options={"kwargs": {"blocks": RESNETS[name]}},
+                         warmup_steps=1, timed_steps=3)
+        built = built or build(cell)
+        chosen = plan(cell, built)
         row = {"net": name, "blocks": str(RESNETS[name]), "strategy": label(strategy, options), "batch": 32}
         try:
-            measured = measure(lambda: execute(traced, plan, x, loss_fn=classification_loss), model, (x,), device,
-                               1, 3)
-            row.update({"measured GB": measured.peak_bytes / 1e9, "host GB": measured.host_peak_bytes / 1e9,
-                        "measured step ms": measured.step_time_ms})
+            measured = measure(cell, built, chosen, step(cell, built, chosen))
+            row.update({"measured GB": measured["measured_peak_bytes"] / 1e9,
+                        "host GB": measured["measured_host_peak_bytes"] / 1e9,
+                        "measured step ms": measured["step_time_ms"]})
         except torch.cuda.OutOfMemoryError:
             row.update({"measured GB": None, "note": "oom"})
-        prediction = strategies.simulate(traced.graph, plan)
-        row["predicted GB"] = (prediction.peak_bytes + static) / 1e9
+        row["predicted GB"] = (strategies.simulate(built.graph, chosen).peak_bytes + built.static_bytes) / 1e9
         row["Meng et al. 2017 MB"] = paper_mb if paper_mb is not None else "OOM"
         for device_model, (tflops, gbps) in DEVICE_MODELS.items():
-            times = swap_step_time(traced.graph, plan, gbps * 1e9, tflops * 1e12)
+            times = swap_step_time(built.graph, chosen, gbps * 1e9, tflops * 1e12)
             row[f"{device_model}: compute ms"] = times["compute_s"] * 1e3
             row[f"{device_model}: bound ms"] = times["step_time_bound_s"] * 1e3
             row[f"{device_model}: overhead %"] = 100 * (times["step_time_bound_s"] / times["compute_s"] - 1)
