@@ -1,11 +1,11 @@
-"""The PyTorch side: the zoo (``harness.nets``), ``trace`` (module -> IR), ``execute`` (a Plan, for real),
-measurement (``harness.measure``), the entry point (``python -m harness``) and results (``load_results``)."""
+"""The PyTorch side: the models (``harness.zoo``), tracing (``harness.tracing``: module -> IR), running a plan
+(``harness.execute``), measurement (``harness.measure``), a cell and its stages (``harness.cell``, ``harness.run``),
+the entry point (``python -m harness``) and results (``load_results``)."""
 
 from harness.config import Config  # importing it registers config_schema, which configs/config.yaml extends
-from harness import nets
-from harness.execute import execute
+from harness.zoo import nets
 from harness.results import load_results
-from harness.trace import trace
-from harness.traced import Traced
+from harness.tracing.trace import trace
+from harness.tracing.traced import Traced
 
-__all__ = ["Config", "Traced", "execute", "load_results", "nets", "trace"]
+__all__ = ["Config", "Traced", "load_results", "nets", "trace"]

@@ -14,19 +14,20 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import strategies
-from harness import nets, sharding
+from harness.zoo import nets
+from harness.execute import sharding
 from harness.budget import parse_budget
-from harness.cost_models import check_cost_model
+from harness.tracing.cost_models import check_cost_model
 from harness.measure import check_device
 from harness.results import SCHEMA_VERSION, cell_name
 
 
 @dataclass(frozen=True)
 class Cell:
-    """What one measurement runs: a net (a zoo name or ``SOURCE:NAME`` with ``net_options``, ``harness.models``),
+    """What one measurement runs: a net (a zoo name or ``SOURCE:NAME`` with ``net_options``, ``harness.zoo.models``),
     a strategy and its ``options``, the sizes, the device and dtype, the budget in bytes, whether the step is
     compiled, the cost model the strategies optimise, the steps measured, and for one rank of sharded data
-    parallelism its ``world_size``, ``shard`` and ``optimizer`` (NOTE [a rank under FSDP2] in ``harness/sharding.py``).
+    parallelism its ``world_size``, ``shard`` and ``optimizer`` (NOTE [a rank under FSDP2] in ``harness/execute/sharding.py``).
     Made by ``make_cell``, which checks every field; its dicts are never changed."""
 
     net: str
@@ -97,7 +98,7 @@ def make_cell(net: str, strategy: str, *, batch_size: int | None = None, image_s
     sharding.check(world_size, shard, optimizer)
     if shard != "none" and (device != "meta" or compile):
         raise ValueError(f"shard={shard} is measured on device=meta, eager (NOTE [a rank under FSDP2] in "
-                         f"harness/sharding.py); got device={device}{', compile=true' if compile else ''}")
+                         f"harness/execute/sharding.py); got device={device}{', compile=true' if compile else ''}")
     cell = Cell(net=net, strategy=strategy, batch_size=spec.batch_size if batch_size is None else batch_size,
                 image_size=spec.image_size if image_size is None else image_size, device=device, dtype=dtype,
                 budget_bytes=parse_budget(budget, device), cost_model=cost_model, options=dict(options or {}),

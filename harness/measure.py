@@ -50,7 +50,7 @@ version counter, handed back an input's storage, made outputs that share a stora
 run every time. Arguments the key cannot hold (a generator, a symbolic size, a tensor subclass) run the op
 too, and so does every op while another dispatch mode is outside the tracker, which would not see a
 remembered call. The storages are new either way, so the tracker counts them as it counts any op's. The
-trace's probe remembers the same way (``harness.tracer.Draws``, which counts the FLOPs as the tracker does,
+trace's probe remembers the same way (``harness.tracing.tracer.Draws``, which counts the FLOPs as the tracker does,
 ``op_flops``).
 """
 
@@ -306,7 +306,7 @@ def measure(step: Callable[[], object], model: torch.nn.Module, inputs: tuple[to
             warmup_steps: int = 2, timed_steps: int = 5, compiled: bool = False) -> Measurement:
     """Measure ``step`` (one training step of ``model`` on ``inputs``) on ``device``. A ``compiled`` step
     off meta runs compiled code, which no dispatch mode sees: the cuda allocator measures its memory, and on
-    cpu nothing does (NOTE [measuring torch.compile] in ``harness/compiled.py``)."""
+    cpu nothing does (NOTE [measuring torch.compile] in ``harness/execute/compiled.py``)."""
     check_device(device)
     if compiled and device != "meta":
         return _measure_compiled(step, model, device, warmup_steps, timed_steps)

@@ -20,8 +20,8 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
 from harness.results import write_atomically
-from harness.trace import meta_copy, on_meta
-from harness.traced import Traced
+from harness.tracing.trace import meta_copy, on_meta
+from harness.tracing.traced import Traced
 from strategies import Plan, bits, members
 from strategies.plan import Runner
 

@@ -140,7 +140,7 @@ def read_row(path: str | os.PathLike) -> dict:
 
 def load_results(path: str | os.PathLike) -> pd.DataFrame:
     """Every row under ``path`` (a row file or a folder searched recursively), one DataFrame row each."""
-    import pandas as pd  # a cell writes its row without pandas (NOTE [imported where used] in harness/nets.py)
+    import pandas as pd  # a cell writes its row without pandas (NOTE [imported where used] in harness/zoo/nets.py)
 
     path = Path(path)
     files = [path] if path.is_file() else sorted(path.rglob("*.json"))

@@ -27,16 +27,17 @@ from typing import Callable
 import torch
 
 import strategies
-from harness import nets, peers, sharding
+from harness.zoo import nets
+from harness.execute import peers, sharding
 from harness.cell import Cell, make_cell
-from harness.compiled import plan_step as compiled_plan_step
+from harness.execute.compiled import plan_step as compiled_plan_step
 from harness.execute import execute
 from harness.measure import measure as measure_step
-from harness.models import NotAModel
+from harness.zoo.models import NotAModel
 from harness.plans import save_plan
 from harness.results import FINAL, SCHEMA_VERSION, Status, read_row, write_row
-from harness.trace import trace
-from harness.traced import Traced
+from harness.tracing.trace import trace
+from harness.tracing.traced import Traced
 from strategies.plan import Plan, Runner
 from strategies.simulate import step_flops
 
@@ -149,7 +150,7 @@ def build(cell: Cell) -> Built:
     """The cell's net, built and traced (kept between cells where that is safe: NOTE [traces kept between cells])."""
     made = _traced_for(cell)
     static_bytes, graph = fixed_bytes(made.model, made.example_input), made.traced.graph
-    if cell.sharded:  # NOTE [a rank under FSDP2] in harness/sharding.py
+    if cell.sharded:  # NOTE [a rank under FSDP2] in harness/execute/sharding.py
         static_bytes = sharding.fsdp2_static(cell.net, cell.world_size, cell.optimizer, cell.dtype,
                                              cell.net_options)["static_bytes"]
         graph = dataclasses.replace(graph, param_grads_released=True)

@@ -11,12 +11,12 @@ checkpoints work unchanged.
   as ``loss.backward()`` does, so several calls before ``optimizer.step()`` accumulate micro-batches.
 - Compiled: ``step.module`` (the traced program with the plan's marks) under ``torch.compile(step.module,
   backend=step.backend)``, in the user's own compiled step: the partitioner is told the plan, op by op (NOTE
-  [compiling a plan] in ``harness/compiled.py``).
+  [compiling a plan] in ``harness/execute/compiled.py``).
 - Through PyTorch's own machinery: ``step.checkpointed()`` is a module that runs the plan as
   ``torch.utils.checkpoint`` regions (NOTE [a plan as checkpoint regions]), for a loop that calls
   ``loss.backward()`` itself.
 A plan is made for one input shape: the trace fixes the sizes the model's Python reads (NOTE [sizes fixed at the
-example's] in ``harness/trace.py``) and the plan's bytes follow them. A batch of other shapes or dtypes is refused,
+example's] in ``harness/tracing/trace.py``) and the plan's bytes follow them. A batch of other shapes or dtypes is refused,
 naming the first difference, and the model is left as it was; make one step per shape.
 """
 
@@ -31,13 +31,13 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import strategies
 from harness.budget import parse_budget
-from harness.compiled import marked_module, plan_backend
+from harness.execute.compiled import marked_module, plan_backend
 from harness.execute import call_node, execute, stage_keys
 from harness.plans import load_plan, save_plan
 from harness.run import check_compilable, fixed_bytes, solve_on_device
-from harness.state import generators_of, rng_state, set_rng_state
-from harness.trace import meta_copy, trace
-from harness.traced import describe
+from harness.tracing.state import generators_of, rng_state, set_rng_state
+from harness.tracing.trace import meta_copy, trace
+from harness.tracing.traced import describe
 
 
 class PlannedStep:
@@ -79,7 +79,7 @@ class PlannedStep:
 
     @functools.cached_property
     def backend(self):
-        """The ``torch.compile`` backend that runs the plan (``harness.compiled.plan_backend``)."""
+        """The ``torch.compile`` backend that runs the plan (``harness.execute.compiled.plan_backend``)."""
         check_compilable(self.plan)
         return plan_backend(self.example_input.device.type, self.plan.recomputed)
 
@@ -243,7 +243,7 @@ def _saving_context(seen: dict):
 
     # A kept call may write in place what it made (dropout fills the mask it allocated): every op of the call is
     # cached, and a write into a node's storage is its node's own call (NOTE [nodes are storages] in
-    # harness/probe.py), so no recomputed op reads a cached tensor before such a write.
+    # harness/tracing/probe.py), so no recomputed op reads a cached tensor before such a write.
     return create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation=True)
 
 

@@ -94,7 +94,7 @@ class Graph:
     adds nothing (None, the default: each output's value's size; zero for every other node).
     ``loss_reads`` lists the outputs whose values the loss's backward reads (a mean squared error saves its
     input). They stay until the loss's backward is done, and if the plan discards one, that backward
-    recomputes its stage (NOTE [the loss] in ``harness/backward_profile.py``).
+    recomputes its stage (NOTE [the loss] in ``harness/tracing/backward_profile.py``).
 
     ``grad_shares[v]`` says which predecessors' gradients the backward of ``v`` hands over without a
     buffer of their own, as pairs ``(preds, nbytes)``: ``nbytes == -1``, they are ``v``'s own incoming
@@ -121,7 +121,7 @@ class Graph:
     ``extras_after_reads[v]``: the layer's calls save all its extras after the last of them that reads
     another node's value, so the values that go at ``v`` go before its extras come (a copy's ``clamp_``
     saves its input after the ``clone`` read the value it copies: NOTE [a write after a read] in
-    ``harness/trace.py``); measured by the trace, None (no such layer) on hand-written graphs.
+    ``harness/tracing/trace.py``); measured by the trace, None (no such layer) on hand-written graphs.
     ``unpack_held_bytes[v]`` lists, in the order the backward of ``v``'s layer first unpacks them, pairs
     ``(u, bytes)``: the node whose value it unpacks (``u == v``: its own value, or what it saved besides)
     and what it holds then above what was live as it began (a weight-normalised layer's product has made
@@ -130,7 +130,7 @@ class Graph:
     ``attribute_bytes[v]`` is what ``v``'s layer call leaves on a module as an attribute (the weight the
     pre-hook ``spectral_norm`` computes): made by its first call and held to the step's end whatever the
     plan, and made again by a recomputation's pre-hook, a moment before its layer runs (NOTE [tensors a module keeps] in
-    ``harness/probe.py``); zero on hand-written graphs. ``attribute_saved[v]``: the layer saves it for its
+    ``harness/tracing/probe.py``); zero on hand-written graphs. ``attribute_saved[v]``: the layer saves it for its
     backward too, which then calls for ``v``'s recomputation where a plan discards it.
     ``early_grads[v]`` are the predecessors whose gradient ``v``'s in-place members make, before the rest
     of its layer's backward runs (torchvision's ``out += identity`` after a batch norm: the addition hands
@@ -138,16 +138,16 @@ class Graph:
     ``unreached`` are the nodes no gradient reaches, whose layers' backward never runs: an auxiliary head
     the loss leaves out, a mask made from the input. They get no gradient and hand none on, their
     parameters get none, and what their layers saved (``backward_reads``, ``saved_extra_bytes``) goes at the
-    loss's forward, with the outputs (NOTE [what no gradient reaches] in ``harness/backward_profile.py``); measured
+    loss's forward, with the outputs (NOTE [what no gradient reaches] in ``harness/tracing/backward_profile.py``); measured
     when the graph was traced with its loss, empty on hand-written graphs.
     ``preds_without_grad[v]`` are the predecessors the backward of ``v`` hands no gradient, though it runs
     and they take one from elsewhere: a value ``v`` reads through ``.detach()`` (a straight-through
     estimator's ``z + (q - z).detach()``, a stop-gradient), or one it only follows (NOTE [state the forward
-    writes] in ``harness/tracer.py``); measured when the graph was traced with its loss, empty on hand-written
+    writes] in ``harness/tracing/tracer.py``); measured when the graph was traced with its loss, empty on hand-written
     graphs, where every predecessor takes a gradient of its value's size, as Kusumoto et al. 2019 has it.
     ``param_grads_released``: each parameter gradient goes as soon as the backward that makes it is done, as
     under sharded data parallelism, which reduce-scatters it to its rank's shard and frees it (the shards
-    are counted apart: ``harness/sharding.py``); False, the default: they stay to the step's end, for the
+    are counted apart: ``harness/execute/sharding.py``); False, the default: they stay to the step's end, for the
     optimizer.
     ``shared_state[v]`` names the state ``v``'s layers use that other nodes use too, and that the forward
     pass uses in the program's order whatever the stages (the random generators, a buffer: a BatchNorm

@@ -4,7 +4,7 @@ queries and keys, the softmax, its dropout and the product with the values, whic
 of a transformer layer's ``34·s·b·h + 5·a·s²·b`` in 16-bit precision (``s`` sequence, ``b`` batch, ``h``
 hidden, ``a`` heads); everything else is saved as in the plain step.
 
-The harness runs it as Megatron-LM does (``harness/peers.py``): every call of
+The harness runs it as Megatron-LM does (``harness/execute/peers.py``): every call of
 ``F.scaled_dot_product_attention`` in the model runs under
 ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, which keeps its inputs (the queries, keys and
 values) and its output, and drops what the core saves. The plan here is its counterpart in the IR: every
@@ -20,7 +20,7 @@ from strategies.plan import Inapplicable, Plan, Runner
 from strategies.simulate import check_budget
 
 BUDGET_LIVENESS = True
-RUNNER = Runner.TORCH_CHECKPOINT_ATTENTION  # harness/peers.py runs plans that carry it
+RUNNER = Runner.TORCH_CHECKPOINT_ATTENTION  # harness/execute/peers.py runs plans that carry it
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ class InfeasibleBudget(ValueError):
 
 class Runner(str, Enum):
     """What runs a plan's step where it is not this project's executor: a PyTorch peer's own step
-    (``harness/peers.py``, one entry a runner)."""
+    (``harness/execute/peers.py``, one entry a runner)."""
 
     TORCH_CHECKPOINT = "torch_checkpoint"  # checkpoint around each block, with the plan's selective policy if any
     TORCH_CHECKPOINT_SEQUENTIAL = "torch_checkpoint_sequential"  # checkpoint_sequential, in ``segments`` segments
@@ -55,7 +55,7 @@ class Runner(str, Enum):
 
 
 RUNNERS = tuple(runner.value for runner in Runner)
-# Selective checkpointing policies a ``torch_checkpoint`` runner applies in each block (harness/peers.py): "ops" saves
+# Selective checkpointing policies a ``torch_checkpoint`` runner applies in each block (harness/execute/peers.py): "ops" saves
 # the outputs of matmuls and fused attention kernels, "ops_every_second_mm" skips every second matmul of a block.
 POLICIES = ("ops", "ops_every_second_mm")
 

@@ -98,7 +98,7 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
     to_loss = {u for u in members(kept) if not recompute_stages[u]
                and any(stage_of[w] in ends and (discarded & ~in_checkpoint) >> w & 1 for w in graph.succs[u])}
     # What the layers no gradient reaches saved goes at the loss's forward (NOTE [what no gradient reaches]
-    # in harness/backward_profile.py): the kept values they read, and their extras.
+    # in harness/tracing/backward_profile.py): the kept values they read, and their extras.
     for w in graph.unreached:
         if not in_checkpoint >> w & 1:
             to_loss.update(u for u in graph.backward_reads[w] if (kept & ~plan.swapped) >> u & 1)

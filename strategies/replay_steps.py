@@ -300,7 +300,7 @@ def _transient(graph: Graph, v: int, allocs: list, frees: list, first: bool):
 
 def _attribute_again(graph: Graph, v: int) -> list[Step]:
     """Before a later call of ``v``'s layer runs, its pre-hook makes the module's attribute again, and
-    setting it frees the one before (NOTE [tensors a module keeps] in ``harness/probe.py``): both are
+    setting it frees the one before (NOTE [tensors a module keeps] in ``harness/tracing/probe.py``): both are
     there for that moment alone, before the layer allocates anything."""
     if not graph.attribute_bytes[v]:
         return []

@@ -5,7 +5,7 @@ the other strategies against). Each natural block of the net runs under
 kernels are saved (``MUST_SAVE``), every other op is recomputed (``PREFER_RECOMPUTE``). With
 ``every_second_mm`` a block's second, fourth, ... matrix multiplication is recomputed too.
 
-The harness runs the real thing (``harness/peers.py``), with the zoo's blocks. The plan here is its
+The harness runs the real thing (``harness/execute/peers.py``), with the zoo's blocks. The plan here is its
 counterpart in the IR, for the prediction: the blocks' stages checkpointed, as for
 ``torch_checkpoint_blocks``, and within them the ``linear`` layers' outputs (a linear layer is one matrix
 multiplication, ``mm`` or ``addmm``) saved by the policy (``Plan.selective``). An attention node of the IR
@@ -26,7 +26,7 @@ from strategies.simulate import check_budget
 from strategies.torch_checkpoint_blocks import block_stages
 
 BUDGET_LIVENESS = True
-RUNNER = Runner.TORCH_CHECKPOINT  # harness/peers.py runs plans that carry it, with the plan's policy
+RUNNER = Runner.TORCH_CHECKPOINT  # harness/execute/peers.py runs plans that carry it, with the plan's policy
 
 
 @dataclass(frozen=True, slots=True)

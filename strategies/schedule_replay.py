@@ -15,7 +15,7 @@ stage plan written as a schedule (``schedule.from_plan``) whose stages follow no
 stage replay's peak to the byte (tests/test_accounting.py); Checkmate's own count misses it by -22% to
 +75% on the zoo. A layer no gradient reaches runs no backward; what it saved stays to the loss's forward
 where its record is its first computation, and its extras come and go with any other (NOTE [what no
-gradient reaches] in ``harness/backward_profile.py``). A schedule cannot tell a value a stage plan discards but never
+gradient reaches] in ``harness/tracing/backward_profile.py``). A schedule cannot tell a value a stage plan discards but never
 recomputes (its stage is not recomputed, or what is is made without it: NOTE [what a recomputation makes])
 from a kept one, and holds what such a layer saved of it: above the stage replay, never below, unless it is
 told which values the plan discards (``discarded``).
@@ -62,7 +62,7 @@ class _ScheduleReplay:
         self.present = 0  # the forward values on the device
         self.steps: list[Step] = []
         # here until the loss's forward: the model returns them, as is what the layers no gradient reaches saved
-        # (NOTE [what no gradient reaches] in harness/backward_profile.py)
+        # (NOTE [what no gradient reaches] in harness/tracing/backward_profile.py)
         self.unreached_reads = sum(1 << u for w in graph.unreached for u in graph.backward_reads[w]
                                    if not discarded >> u & 1)
         self.outputs = sum(1 << v for v in graph.outputs) | self.unreached_reads

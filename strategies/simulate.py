@@ -25,7 +25,7 @@ PyTorch's reference-counted autograd does):
   layer's call holds only while it runs (``forward_transient_bytes``: a ``Linear`` on a non-contiguous batch of
   sequences makes its product, then a new buffer for the bias's sum) comes and goes with the call, in the
   forward and in a recomputation alike;
-- the loss (NOTE [the loss] in ``harness/backward_profile.py``): its forward holds ``loss_forward_bytes`` beside
+- the loss (NOTE [the loss] in ``harness/tracing/backward_profile.py``): its forward holds ``loss_forward_bytes`` beside
   the outputs, which then go unless a backward reads them; at the turn from forward to backward its
   backward makes the outputs' gradients (``loss_grad_bytes`` each: none for a sum's) while it holds
   ``loss_bytes``, first recomputing the stage of an output it reads that the plan discarded (on top of

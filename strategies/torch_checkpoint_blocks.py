@@ -2,7 +2,7 @@
 use_reentrant=False)`` around each natural block of the net, the way a careful user writes it by hand (a
 peer to judge the other strategies against).
 
-The harness runs the real thing (``harness/peers.py``) and fills ``blocks`` from the zoo's definition of
+The harness runs the real thing (``harness/execute/peers.py``) and fills ``blocks`` from the zoo's definition of
 the net. The plan here is its counterpart in the IR, for the prediction: one stage per block (the nodes
 whose ``Graph.scopes`` lie in it), every node outside a block a stage of its own; canonical cache; the
 blocks' stages ``checkpointed``, so that the replay runs them as ``torch.utils.checkpoint`` does.
@@ -18,7 +18,7 @@ from strategies.plan import Plan, Runner
 from strategies.simulate import check_budget
 
 BUDGET_LIVENESS = True
-RUNNER = Runner.TORCH_CHECKPOINT  # harness/peers.py runs plans that carry it
+RUNNER = Runner.TORCH_CHECKPOINT  # harness/execute/peers.py runs plans that carry it
 
 
 @dataclass(frozen=True, slots=True)

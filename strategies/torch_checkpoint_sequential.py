@@ -2,7 +2,7 @@
 segments, input, use_reentrant=False)`` over the net seen as a chain of modules (a peer to judge the other
 strategies against).
 
-The harness runs the real thing (``harness/peers.py``) over the zoo's ``sequence`` of the net, split as
+The harness runs the real thing (``harness/execute/peers.py``) over the zoo's ``sequence`` of the net, split as
 PyTorch splits it: ``len // segments`` steps a segment, every segment but the last under ``checkpoint``, the
 last taking the remainder and keeping its values. The plan here is its counterpart in the IR: one stage per
 segment (a node goes with the step its ``Graph.scopes`` lies in; a functional step's node, which has no
@@ -20,7 +20,7 @@ from strategies.plan import Inapplicable, Plan, Runner, canonical_cache
 from strategies.simulate import check_budget
 
 BUDGET_LIVENESS = True
-RUNNER = Runner.TORCH_CHECKPOINT_SEQUENTIAL  # harness/peers.py runs plans that carry it
+RUNNER = Runner.TORCH_CHECKPOINT_SEQUENTIAL  # harness/execute/peers.py runs plans that carry it
 
 
 @dataclass(frozen=True, slots=True)

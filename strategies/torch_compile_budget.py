@@ -3,7 +3,7 @@ peer to judge the other strategies against). The min-cut partitioner of AOTAutog
 ``budget_ratio`` times the activations it would save unconstrained, chooses what the compiled forward
 saves and what the compiled backward recomputes (its default solver, FLOP cost model).
 
-The harness runs the real thing (``harness/peers.py``); the choice is made inside ``torch.compile``, out of
+The harness runs the real thing (``harness/execute/peers.py``); the choice is made inside ``torch.compile``, out of
 the IR's sight, so this plan holds no prediction (``predicted=False``): the row leaves the
 predicted fields empty. Its stages are V with everything kept, which no one reads.
 """
@@ -16,7 +16,7 @@ from strategies.graph import Graph
 from strategies.plan import Plan, Runner
 
 BUDGET_LIVENESS = True
-RUNNER = Runner.TORCH_COMPILE  # harness/peers.py runs plans that carry it
+RUNNER = Runner.TORCH_COMPILE  # harness/execute/peers.py runs plans that carry it
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
 import strategies
-from harness import nets, peers
+from harness.zoo import nets
+from harness.execute import peers
 from strategies import schedule
 from strategies.replay import Buffer, peak_of, timeline
 from strategies.schedule_replay import schedule_timeline
@@ -22,8 +23,8 @@ from strategies.simulate import step_flops
 from harness.execute import execute
 from harness.measure import MemoryTracker, measure
 from harness.run import fixed_bytes
-from harness.probe import non_leaf_attributes
-from harness.trace import trace
+from harness.tracing.probe import non_leaf_attributes
+from harness.tracing.trace import trace
 from test_any_model import WritesAfterReads
 
 side_effects = importlib.import_module("harness.execute.side_effects")  # where the executor calls each node
@@ -128,7 +129,7 @@ LOSSES = {  # name -> (loss, whether its backward reads the output)
 
 @pytest.mark.parametrize("loss", LOSSES)
 def test_the_replay_holds_what_the_loss_holds(loss):
-    # NOTE [the loss] in harness/backward_profile.py: the outputs stay until the loss has read them, an output the
+    # NOTE [the loss] in harness/tracing/backward_profile.py: the outputs stay until the loss has read them, an output the
     # loss's backward reads stays (or comes back) until that backward is done, and each output's gradient
     # is what the loss really hands it. Kusumoto et al.'s model (each output handed a gradient its own size,
     # nothing read) missed vanilla by +14% on the sum, -19% on the squared error, -31% on mse_loss.
@@ -315,7 +316,7 @@ def test_a_recomputation_runs_on_what_its_layers_backward_holds_when_it_unpacks(
 @pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
 @pytest.mark.parametrize("norm", ["spectral_norm", "weight_norm", "prune"])
 def test_what_a_module_keeps_is_held_whatever_the_plan(norm):
-    # NOTE [tensors a module keeps] in harness/probe.py: the pre-hook norms keep the weight they compute on
+    # NOTE [tensors a module keeps] in harness/tracing/probe.py: the pre-hook norms keep the weight they compute on
     # the module; counted as a saved extra that recomputation drops, plans were predicted 2-3% low. The
     # weight a recomputation makes again, with autograd on, held that rerun's saved-tensor hook and so all
     # the rerun had saved (its input too) until the next step: three activations were left after a step
@@ -389,8 +390,8 @@ def test_attention_is_traced_as_the_cpu_runs_it():
     # peaks were 3-8% off; now the trace asks the CPU which kernel it would run (NOTE [attention on the
     # device]; a learned mask, a relative position bias, keeps the math path), and every plan is exact and
     # measured as replayed.
-    from harness.exact import compare
-    from harness.attention import attention_on_cpu
+    from harness.execute.exact import compare
+    from harness.tracing.attention import attention_on_cpu
 
     def saved(attention, device, **options):
         q, k, v = (torch.randn(2, 4, 9, 8, device=device, requires_grad=True) for _ in range(3))
@@ -520,7 +521,7 @@ SHARED_PARAMETERS = {  # name -> (model, input)
 
 @pytest.mark.parametrize("name", SHARED_PARAMETERS)
 def test_a_parameters_gradient_is_counted_once_whoever_reads_it(name):
-    # NOTE [parameter gradients] in harness/probe.py. Counted per module call, the block applied four times
+    # NOTE [parameter gradients] in harness/tracing/probe.py. Counted per module call, the block applied four times
     # was predicted at +48% and the Siamese encoder at +21%; counted for modules only, LoRA's factors were
     # left out (-0.5% under chen_sqrt); the class token's row hands the last value a gradient of the
     # whole (-5%).
@@ -685,7 +686,7 @@ def test_an_addition_in_place_after_a_branch_is_predicted_to_the_byte(name):
 
 def test_a_layer_that_saves_after_its_inputs_go_is_replayed_so():
     # Graph.extras_after_reads: a write after a read writes a copy (NOTE [a write after a read] in
-    # harness/trace.py), and where the clone is the value's last reader, the value goes before the in-place
+    # harness/tracing/trace.py), and where the clone is the value's last reader, the value goes before the in-place
     # dropout saves its mask. Replayed with the mask made beside the value, two of these plans were
     # predicted 7% and 9% above their measured peak.
     model, x = WritesAfterReads().to("meta"), torch.randn(64, 16, device="meta")

@@ -17,13 +17,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import strategies
-from harness import nets
-from harness.exact import compare, switch_on_randomness, tolerance
+from harness.zoo import nets
+from harness.execute.exact import compare, switch_on_randomness, tolerance
 from harness.execute import execute
 from harness.measure import measure
 from harness.run import fixed_bytes
-from harness.trace import trace
-from harness.traced import TraceFailure
+from harness.tracing.trace import trace
+from harness.tracing.traced import TraceFailure
 
 # torchvision models at small sizes, dropout and stochastic depth on: (name, side, builder kwargs).
 TORCHVISION = [
@@ -1030,7 +1030,7 @@ def test_hugging_face_causal_lms_by_model_type_are_exact_and_predicted(model_typ
 
 
 def test_a_step_in_bfloat16_is_exact_to_its_rounding_and_an_unreplayed_draw_is_not(monkeypatch):
-    # NOTE [half precision] in harness/exact.py: a plan's stage order makes a node later than the program
+    # NOTE [half precision] in harness/execute/exact.py: a plan's stage order makes a node later than the program
     # does, so autograd sums a value's gradient contributions in another order (GPT-2's tanh GELU reads its
     # input three times), which in bfloat16 moves a gradient by a few units in its last place.
     torch.manual_seed(0)
@@ -1147,7 +1147,7 @@ class UntracedDraws(nn.Module):
 
 
 def test_draws_on_no_traced_value_are_drawn_every_step_and_replayed():
-    # NOTE [random draws on constants] in harness/tracer.py: fx kept one permutation and one noise for every
+    # NOTE [random draws on constants] in harness/tracing/tracer.py: fx kept one permutation and one noise for every
     # step (wrong under every plan, vanilla included), and a recomputation drew the mask again from the
     # model's generator (NOTE [replaying side effects]).
     torch.manual_seed(0)

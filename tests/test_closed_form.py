@@ -6,7 +6,7 @@ the heads:
 - with selective recomputation (the attention core recomputed) ``34·s·b·h``;
 - with full recomputation (each layer's input kept alone) ``2·s·b·h``.
 
-A GPT-style layer (``harness.nets.GPT2Block``: pre-norm, biases, dropout after the attention's softmax and on
+A GPT-style layer (``harness.zoo.nets.GPT2Block``: pre-norm, biases, dropout after the attention's softmax and on
 both residual branches) in bfloat16 on meta, whose ``F.scaled_dot_product_attention`` runs PyTorch's math
 decomposition (eager attention, no flash kernel). What the trace holds per layer is what the replay holds at
 the turn to the backward pass, a layer's worth (three layers less two), under ``vanilla``,
@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import strategies
-from harness.nets import GPT2Block
-from harness.netspec import sum_loss
-from harness.trace import trace
+from harness.zoo.nets import GPT2Block
+from harness.zoo.netspec import sum_loss
+from harness.tracing.trace import trace
 from strategies.replay import Phase, timeline
 
 SIZES = [(128, 2, 256, 4), (256, 3, 512, 8)]  # s, b, h, a

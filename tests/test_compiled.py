@@ -1,4 +1,4 @@
-"""Plans under torch.compile (harness/compiled.py): the same function as plain PyTorch, really compiled, and
+"""Plans under torch.compile (harness/execute/compiled.py): the same function as plain PyTorch, really compiled, and
 holding what the plan keeps."""
 
 import copy
@@ -12,11 +12,12 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torchvision.ops import StochasticDepth
 
 import strategies
-from harness import nets, peers
-from harness.compiled import MARK, compiled_step, marked_module, plan_step, tag_plan
+from harness.zoo import nets
+from harness.execute import peers
+from harness.execute.compiled import MARK, compiled_step, marked_module, plan_step, tag_plan
 from harness.execute import execute
 from harness.run import run_cell
-from harness.trace import trace
+from harness.tracing.trace import trace
 from test_any_model import (HF_CONFIGS, AssignsItems, GradModeAndState, KeyQueue, StateReadAndWritten,
                             WritesAfterReads)
 from test_executor import SMALL, SkipToOutput, quarter_plan
@@ -105,7 +106,7 @@ def test_transformers_under_a_compiled_plan(model_type):
     """A Hugging Face model (its own code, traced: NOTE [sizes fixed at the example's]) with dropout and
     attention dropout on, in float64: the compiled plan's step equals the model compiled as its users compile
     it, from the same seed, with the recomputed dropouts (attention's inside SDPA) drawn again."""
-    from harness.exact import switch_on_randomness
+    from harness.execute.exact import switch_on_randomness
 
     torch.manual_seed(0)
     model, x, loss_fn = nets.build(f"hf:{model_type}", 2, 16, "cpu", "float64", kwargs=HF_CONFIGS[model_type])
@@ -193,7 +194,7 @@ def test_a_value_read_by_its_makers_name_after_a_write_reads_the_mark(monkeypatc
     those reads take the IR node's mark (``Traced.same_tensor``). Reading the unmarked value, they left the
     item assignments' marks unused, dynamo dropped them, and tag_plan gave those nodes' ops to the next
     node's mark, and its policy."""
-    import harness.compiled
+    import harness.execute.compiled
 
     seen = []
 
@@ -201,7 +202,7 @@ def test_a_value_read_by_its_makers_name_after_a_write_reads_the_mark(monkeypatc
         seen.append({node.args[1] for node in graph.nodes if node.target is MARK})
         tag_plan(graph, recomputed)
 
-    monkeypatch.setattr(harness.compiled, "tag_plan", spy)
+    monkeypatch.setattr(harness.execute.compiled, "tag_plan", spy)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), AssignsItems(), nn.Tanh(), AssignsItems(), nn.Linear(16, 4)).double()
     x, loss_fn = torch.randn(6, 16, dtype=torch.double), nets.sum_loss
@@ -373,7 +374,7 @@ def test_compiled_checkpoint_peers(strategy):
 
 
 class NoGradStatistic(nn.Module):
-    """A statistic taken under ``no_grad`` and used as a constant (NOTE [grad mode] in harness/tracer.py)."""
+    """A statistic taken under ``no_grad`` and used as a constant (NOTE [grad mode] in harness/tracing/tracer.py)."""
 
     def __init__(self):
         super().__init__()
@@ -401,7 +402,7 @@ def test_a_compiled_plan_keeps_the_models_grad_mode():
 
 
 def test_writes_after_reads_under_a_compiled_plan():
-    """Writes in place that write a copy (NOTE [a write after a read] in harness/trace.py), a clamp_ under
+    """Writes in place that write a copy (NOTE [a write after a read] in harness/tracing/trace.py), a clamp_ under
     no_grad and an in-place dropout among them: the compiled plan steps as compiled vanilla. The copy's
     mark was made under no_grad, after the clamp_, and cut the gradient there: the layers before it had
     wrong gradients."""
@@ -439,7 +440,7 @@ def test_state_the_step_writes_under_compile(make, shape):
 
 
 def test_draws_on_no_traced_value_under_compile():
-    """NOTE [random draws on constants] in harness/tracer.py, compiled: a permutation, a noise and a mask drawn
+    """NOTE [random draws on constants] in harness/tracing/tracer.py, compiled: a permutation, a noise and a mask drawn
     on no traced value are drawn every step and replayed by a recomputing plan. A draw from the model's own
     generator compiles (dynamo runs it between two graphs, and the compiling step does not draw for the
     step) where the plan recomputes nothing."""

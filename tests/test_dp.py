@@ -192,8 +192,8 @@ def test_bad_mode_and_budget():
 
 @pytest.mark.parametrize("name", ["approx_dp", "exact_dp"])
 def test_minimal_budget_on_a_real_net_is_tight(name):
-    from harness import nets
-    from harness.trace import trace
+    from harness.zoo import nets
+    from harness.tracing.trace import trace
     from strategies.equation2 import dp_peak
 
     # GPT-2: layers that save much besides their values, a big loss; ResNet-50: a net where Kusumoto et al.'s count
@@ -221,8 +221,8 @@ def test_a_budget_is_searched_in_few_passes_and_met(monkeypatch):
     """The time-centric search on equation (2)'s budget (NOTE [judging a DP's budget]): on ResNet-152 at the paper's
     size, at 1.05x and 1.2x the minimal budget, the plan fits and recomputes less than the minimal plan, found in at
     most 8 DP passes beyond the minimal solve's (halving alone took 12)."""
-    from harness import nets
-    from harness.trace import trace
+    from harness.zoo import nets
+    from harness.tracing.trace import trace
     import strategies.lower_set_dp as lower_set_dp
 
     model, x, loss_fn = nets.build("resnet152")
@@ -246,8 +246,8 @@ def test_a_budget_is_searched_in_few_passes_and_met(monkeypatch):
 
 
 def test_exact_dp_says_what_it_will_search_and_keeps_its_time_limit(caplog):
-    from harness import nets
-    from harness.trace import trace
+    from harness.zoo import nets
+    from harness.tracing.trace import trace
 
     model, x, loss_fn = nets.build("resnet50", 2, 64, "meta")
     graph = trace(model, x, loss_fn=loss_fn).graph

@@ -7,9 +7,10 @@ import torch
 from torch import nn
 
 import strategies
-from harness import nets, peers
+from harness.zoo import nets
+from harness.execute import peers
 from harness.execute import execute, recorded_recomputations
-from harness.trace import trace
+from harness.tracing.trace import trace
 from strategies import Plan, bits
 
 SMALL = {"unet": (1, 188)}  # net -> (batch, side) where 2 x 64 x 64 does not fit the net

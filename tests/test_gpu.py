@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import strategies
-from harness.exact import compare
+from harness.execute.exact import compare
 from harness.execute import execute
 from harness.run import run_cell
-from harness.trace import trace
+from harness.tracing.trace import trace
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -99,8 +99,8 @@ def test_a_compiled_plan_on_cuda_computes_eager_pytorchs_step():
     every gradient and the BatchNorm statistics (updated once), as the cpu tests check under aot_eager."""
     import copy
 
-    from harness import nets
-    from harness.compiled import plan_step
+    from harness.zoo import nets
+    from harness.execute.compiled import plan_step
     from test_peers import assert_same_step_in_float64
 
     torch.manual_seed(0)

@@ -112,9 +112,9 @@ def test_bad_input():
 
 
 def test_the_row_says_the_schedule_was_predicted_not_run_and_runs_a_stage_plan(tmp_path):
-    from harness import nets
+    from harness.zoo import nets
     from harness.run import fixed_bytes, run_cell
-    from harness.trace import trace
+    from harness.tracing.trace import trace
 
     # U-Net, 40% of the way from approx_dp's least replay to vanilla's: a schedule recomputes one layer
     # (cost 1) where approx_dp's plans recompute a convolution (11). At VGG-19's least, the MILP finds

@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.execute import execute
 from harness.measure import check_device, measure
-from harness.trace import trace
+from harness.tracing.trace import trace
 
 
 def test_tracker_peak_on_a_toy_model():
@@ -208,7 +208,7 @@ def test_a_meta_run_measures_and_traces_what_it_does_with_no_kernel_remembered(m
     recomputation's kernels are remembered from the forward's, and the trace's from its probe's) is what it is
     with every kernel run."""
     import harness.run
-    import harness.tracer
+    import harness.tracing.tracer
     from harness import measure
     from harness.run import run_cell
 
@@ -220,7 +220,7 @@ def test_a_meta_run_measures_and_traces_what_it_does_with_no_kernel_remembered(m
         monkeypatch.setattr(harness.run, "_KEPT_TRACES", {})
         monkeypatch.setattr(measure, "_META_OUTPUTS", {})
         if not remembered:  # the tracker's, and the trace's probe's (``Draws``)
-            for module in (measure, harness.tracer):
+            for module in (measure, harness.tracing.tracer):
                 monkeypatch.setattr(module, "meta_call", lambda func, args, kwargs: func(*args, **kwargs))
         row = run_cell("googlenet", "chen_sqrt", **cell)
         assert row["status"] == "ok", row.get("error")

@@ -215,7 +215,7 @@ def test_kept_sets_prove_plans_cheaper_than_the_dps_in_seconds(net, quarters, be
 
 def test_the_optimal_plan_runs_exactly_and_within_its_budget(tmp_path):
     from harness.run import fixed_bytes, run_cell
-    from harness.trace import trace
+    from harness.tracing.trace import trace
     from test_executor import SkipToOutput, assert_step_matches, reference_step
 
     torch.manual_seed(0)
@@ -230,7 +230,7 @@ def test_the_optimal_plan_runs_exactly_and_within_its_budget(tmp_path):
     reference, reference_loss = reference_step(model, x, loss_fn)
     assert_step_matches(model, x, loss_fn, reference, reference_loss, plan, traced, {})
 
-    from harness import nets
+    from harness.zoo import nets
     meta_model, meta_x, meta_loss = nets.build("vgg19", 2, 32, device="meta")
     graph = trace(meta_model, meta_x, loss_fn=meta_loss).graph
     least, vanilla = (simulate(graph, solve(name, graph)).peak_bytes for name in ("approx_dp", "vanilla"))

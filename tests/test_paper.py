@@ -10,9 +10,9 @@ from hydra import compose, initialize_config_dir
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness import nets
+from harness.zoo import nets
 from harness.bench import figure3, max_batch, report
-from harness.paper_numbers import TABLE1_GB, TABLE2_GB
+from harness.bench.paper_numbers import TABLE1_GB, TABLE2_GB
 from harness.bench.report import table1, table2
 from harness.budget import parse_budget
 from harness.results import load_results, stored_path, write_row

@@ -3,7 +3,7 @@ al. 2019 reports."""
 
 import pytest
 
-from harness import paper_graphs
+from harness.zoo import paper_graphs
 from strategies import simulate, solve
 from strategies.lower_sets import all_lower_sets, split_points
 

@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 import strategies
-from harness import nets, peers
-from harness.trace import trace
+from harness.zoo import nets
+from harness.execute import peers
+from harness.tracing.trace import trace
 
 
 def test_block_plan_follows_the_zoo_blocks():
@@ -205,7 +206,7 @@ class Gated(nn.Module):
 
 
 def test_checkpointed_blocks_take_keyword_arguments_and_on_meta_the_models_own_value_reads_are_named():
-    from harness.exact import compare
+    from harness.execute.exact import compare
 
     blocks = {"blocks": [f"layers.{i}" for i in range(3)]}
     torch.manual_seed(0)

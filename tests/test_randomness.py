@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import strategies
-from harness.exact import compare
+from harness.execute.exact import compare
 from harness.execute import execute, recorded_recomputations
-from harness.trace import trace
+from harness.tracing.trace import trace
 from strategies import members
 
 # Every strategy of this project's own that recomputes, each with a budget that makes it recompute.

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 
 import harness.run
 import strategies
-from harness import nets
+from harness.zoo import nets
 from harness.results import load_results, umask
 from harness.__main__ import net_name, net_options
 from harness.run import run_cell

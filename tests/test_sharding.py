@@ -1,10 +1,10 @@
-"""One rank under FSDP2 (NOTE [a rank under FSDP2] in harness/sharding.py): the static part is what
+"""One rank under FSDP2 (NOTE [a rank under FSDP2] in harness/execute/sharding.py): the static part is what
 ``fully_shard`` holds, measured on a fake process group; the plan's step releases each gradient as it is
 accumulated, and the replay predicts that step to the byte."""
 
 import pytest
 
-from harness import sharding
+from harness.execute import sharding
 from harness.run import run_cell
 from strategies import Graph, Plan, simulate
 
@@ -14,7 +14,7 @@ TINY_LLAMA = {"kwargs": {"hidden_size": 64, "intermediate_size": 128, "num_hidde
 
 def _parameters(net_options) -> tuple[int, int]:
     """The model's parameters, and its parameter tensors."""
-    from harness import nets
+    from harness.zoo import nets
 
     model, _, _ = nets.build("hf:llama", 1, 16, **net_options)
     return sum(p.numel() for p in model.parameters()), len(list(model.parameters()))

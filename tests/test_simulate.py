@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import strategies
-from harness import peers
+from harness.execute import peers
 from strategies import Graph, InfeasibleBudget, Plan, members, simulate, solve
 from strategies.liveness_only import static_plan_bytes
 from strategies.replay import timeline
@@ -64,7 +64,7 @@ def test_recomputation_in_the_timeline():
 
 def test_a_shared_parameters_gradient_is_made_once_by_the_first_backward_that_reaches_it():
     # b and c read one parameter (a module applied on two branches); its bytes count at c, the later
-    # reader, and b shares them (NOTE [parameter gradients] in harness/probe.py).
+    # reader, and b shares them (NOTE [parameter gradients] in harness/tracing/probe.py).
     g = diamond().replace(param_bytes=[0, 0, 100, 0], param_sharers=[(), (), (1,), ()])
     for stages, first in (([[0, 1], [2], [3]], 2), ([[0, 2], [1, 3]], 1)):  # the backward reaches c first, then b
         steps = timeline(g, Plan.from_stages(g, stages))

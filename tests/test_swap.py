@@ -13,7 +13,7 @@ import strategies
 from harness.execute import execute
 from harness.measure import measure
 from harness.run import fixed_bytes, run_cell
-from harness.trace import trace
+from harness.tracing.trace import trace
 from strategies import Graph, InfeasibleBudget, members, simulate
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

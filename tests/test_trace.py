@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from harness import nets
-from harness.trace import trace
-from harness.traced import TraceFailure
+from harness.zoo import nets
+from harness.tracing.trace import trace
+from harness.tracing.traced import TraceFailure
 
 
 def test_in_place_and_views_join_the_value_they_write():

@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import strategies
-from harness import nets
+from harness.zoo import nets
 from harness.measure import measure
 from harness.plans import PlanFileError
 from harness.run import run_cell
-from harness.trace import trace
+from harness.tracing.trace import trace
 from harness.train import CheckpointedStages, as_checkpoint_plan, plan_training
 
 STEPS = 20

@@ -10,12 +10,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import strategies
-from harness import nets, peers
-from harness.exact import compare, tolerance
-from harness.nets import GPT2
+from harness.zoo import nets
+from harness.execute import peers
+from harness.execute.exact import compare, tolerance
+from harness.zoo.nets import GPT2
 from harness.run import run_cell, traced_net
-from harness.trace import trace
-from harness.netspec import next_token_loss
+from harness.tracing.trace import trace
+from harness.zoo.netspec import next_token_loss
 
 PEERS = [("sac_ops", {}), ("sac_ops", {"every_second_mm": True}), ("megatron_selective", {})]
 TINY_LLAMA = {"kwargs": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

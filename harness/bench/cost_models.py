@@ -2,7 +2,7 @@
 
 Kusumoto et al.'s time-centric DP keeps, within the budget, the plan whose recomputations cost least, by a cost
 model: ``paper`` (10 per convolution, 1 per other layer), ``flops``, or ``measured`` (each layer's forward
-timed on the device; NOTE [measured costs] in ``harness/cost_models.py``). For one net: ``vanilla``, then
+timed on the device; NOTE [measured costs] in ``harness/tracing/cost_models.py``). For one net: ``vanilla``, then
 ``approx_dp`` tc at ``--points`` budgets spread from its minimum towards vanilla's peak (vanilla's peak
 left out), its plan found under each cost model, each run and timed on the device, eager (``--compile``:
 compiled). Writes ``OUT_STEM.md`` and ``.csv``: per budget and cost model, the measured peak, the median
@@ -27,10 +27,10 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from harness import nets  # noqa: E402
+from harness.zoo import nets  # noqa: E402
 from harness.bench.common import add_rows_options, command_of, made_by, save_figure  # noqa: E402
 from harness.bench.frontier import Cells  # noqa: E402
-from harness.cost_models import COST_MODELS  # noqa: E402
+from harness.tracing.cost_models import COST_MODELS  # noqa: E402
 from harness.results import Status  # noqa: E402
 
 SIZES = {"cpu": ("resnet50", 8, 128), "cuda": ("resnet152", 128, 224)}  # net, batch, side by default

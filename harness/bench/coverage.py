@@ -11,13 +11,13 @@ input (batch 2, side 64; a ViT at its patch size times 4; ``SIDES`` where a mode
 attention dropout and stochastic depth switched on (``exact.switch_on_randomness``):
 - traces it (or records why not: the module and the construct);
 - runs one step under ``approx_dp``, ``chen_sqrt`` and ``swap`` (every value swapped) beside plain
-  PyTorch's, and keeps the worst relative gradient difference (``harness.exact``);
+  PyTorch's, and keeps the worst relative gradient difference (``harness.execute.exact``);
 - on ``meta`` at the model's usual size (batch 32, side 224; smp at 512), measures ``vanilla`` and
   ``approx_dp`` (mc) and gives the reduction.
 One JSON row per model lands in ``--rows`` (default ``OUT_rows``: ``results/coverage_rows``), written
 atomically, so a killed run resumes; the table is ``OUT.md`` and ``OUT.csv``, with the totals and every
 reason. ``--dtype bfloat16`` trains every model in it (``nets.build``'s ``dtype``), exact within
-``harness.exact.tolerance`` of it (NOTE [half precision] there); ``--models hf:`` takes a source's models.
+``harness.execute.exact.tolerance`` of it (NOTE [half precision] there); ``--models hf:`` takes a source's models.
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ from tqdm import tqdm
 
 import strategies
 from harness.bench.common import command_of, made_by
-from harness import nets
-from harness.exact import compare, switch_on_randomness, tolerance
+from harness.zoo import nets
+from harness.execute.exact import compare, switch_on_randomness, tolerance
 from harness.execute import execute
 from harness.cell import make_cell
 from harness.results import Status, write_row
 from harness.run import run
-from harness.trace import trace
+from harness.tracing.trace import trace
 
 STRATEGIES = ("approx_dp", "chen_sqrt", "swap")
 SMP_ARCHITECTURES = ("Unet", "FPN", "PSPNet")
@@ -89,7 +89,7 @@ def smp_model(architecture: str, encoder: str, classes: int = 2):
 
 
 def _settings(name: str, side: int | None, batch: int | None, device: str) -> tuple[str, int | None, int | None, dict]:
-    """The net (a ``SOURCE:NAME`` of ``harness.models``), batch, side and net options of a catalogue entry."""
+    """The net (a ``SOURCE:NAME`` of ``harness.zoo.models``), batch, side and net options of a catalogue entry."""
     options = {}
     if name.startswith("smp:"):  # through the module source, as a user's own factory goes
         _, architecture, encoder = name.split(":")

@@ -20,7 +20,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from harness.bench.common import command_of, made_by
-from harness import nets
+from harness.zoo import nets
 from harness.results import Status, label, load_results
 from harness.run import run_cell
 

@@ -42,7 +42,7 @@ from tqdm import tqdm  # noqa: E402
 
 from harness.bench.common import add_rows_options, command_of, made_by, save_figure  # noqa: E402
 from harness.bench.style import style  # noqa: E402
-from harness import nets  # noqa: E402
+from harness.zoo import nets  # noqa: E402
 from harness.budget import parse_budget  # noqa: E402
 from harness.cell import make_cell  # noqa: E402
 from harness.results import DEVICE_TIME_NOTE, Status, device_time, label, read_row, stored_path  # noqa: E402

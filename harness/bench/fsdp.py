@@ -4,7 +4,7 @@ For a net sharded over ``--world-size`` ranks of ``--memory`` each (default: the
 on 8 ranks of 80 GB, AdamW), every strategy and peer at batch 1: the rank's peak, its static part (what
 FSDP2 holds, measured with ``fully_shard`` on a fake process group) and its plan's step, beside the
 prediction; and the largest micro-batch whose rank fits the memory (NOTE [a rank under FSDP2] in
-``harness/sharding.py``). A strategy with a budget to meet is given the memory; the others run as they are.
+``harness/execute/sharding.py``). A strategy with a budget to meet is given the memory; the others run as they are.
 ``exact_dp`` and ``optimal`` are left out: on the 8B graph (1,352 nodes) the exact DP's 906,136 lower sets
 outlast its time limit, and the search for the optimum proves no bound in minutes. Every probe is a cell
 whose row lands in ``--rows``. Writes ``OUT_STEM.md`` and ``.csv``.

@@ -32,9 +32,9 @@ import torch
 from tqdm import tqdm
 
 from harness.bench.common import add_rows_options, command_of, made_by
-from harness import nets
+from harness.zoo import nets
 from harness.budget import parse_budget
-from harness.paper_numbers import TABLE1_GB
+from harness.bench.paper_numbers import TABLE1_GB
 from harness.results import DEVICE_TIME_NOTE, Status, device_time, label, read_row, stored_path
 from harness.run import run_cell
 

@@ -22,7 +22,8 @@ import pandas as pd
 from tqdm import tqdm
 
 import strategies
-from harness import nets, peers
+from harness.zoo import nets
+from harness.execute import peers
 from harness.bench.common import command_of, made_by, plt, save_figure
 from harness.bench.style import line_style, style
 from harness.results import is_number, label, read_row, write_row

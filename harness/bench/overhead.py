@@ -44,8 +44,8 @@ from harness.measure import clear_grads, collected_then_held_off
 from harness.results import label
 from harness.cell import make_cell
 from harness.run import build, plan, step as plan_step
-from harness.state import generators_of, state_kept
-from harness.traced import Traced
+from harness.tracing.state import generators_of, state_kept
+from harness.tracing.traced import Traced
 from harness.train import CheckpointedStages
 
 DEVICES = ("cpu", "cuda")

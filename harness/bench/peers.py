@@ -21,8 +21,9 @@ from tqdm import tqdm
 
 from harness.bench.common import made_by
 import strategies
-from harness import nets, peers
-from harness.peers import PEERS
+from harness.zoo import nets
+from harness.execute import peers
+from harness.execute.peers import PEERS
 from harness.results import Status, load_results
 from harness.cell import make_cell
 from harness.run import build

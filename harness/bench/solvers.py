@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from harness.bench.common import made_by
 import strategies
-from harness import nets, paper_graphs
+from harness.zoo import nets, paper_graphs
 from harness.cell import make_cell
 from harness.run import build
 from strategies.lower_sets import all_lower_sets

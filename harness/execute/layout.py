@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch.fx as fx
 
-from harness.traced import Traced
+from harness.tracing.traced import Traced
 from strategies import Plan, members
 from strategies.replay import called_for
 
@@ -139,7 +139,7 @@ def _delayed(nodes: list[fx.Node], traced: Traced) -> dict[str, int]:
     the first such write: the member runs just before it. torchvision's bottleneck computes ``bn3(conv3)``,
     then its downsampling branch, then ``out += identity``; run in that order, autograd would make the
     branch's nodes between the batch norm's and the addition's, and run the branch's backward in the middle
-    of the IR node's (NOTE [augmented assignments] in ``harness/tracer.py``)."""
+    of the IR node's (NOTE [augmented assignments] in ``harness/tracing/tracer.py``)."""
     delayed, next_write = {}, {}
     for index in reversed(range(len(nodes))):
         name = nodes[index].name

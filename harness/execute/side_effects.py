@@ -27,7 +27,7 @@ layer is. Both are done by mechanism, with no list of layer types:
   forward call to the recomputation, or to the end of the forward pass where no backward calls for the
   stage; the replay counts them (``Graph.recompute_state_bytes``). A write to state by a node of its own
   (``self.steps.add_(1)``) is outside the IR and runs once, in the forward pass (NOTE [state the forward
-  writes] in ``harness/tracer.py``).
+  writes] in ``harness/tracing/tracer.py``).
 - Grad mode. A node the model ran under ``no_grad`` runs under it here too (NOTE [grad mode] there).
 - In-place ops. A recomputation under ``no_grad`` runs any in-place op as it is. A layer rerun with
   autograd on, to collect what it saves besides node values, gets inputs that are aliases of the recomputed
@@ -47,8 +47,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map_only
 
-from harness.state import generators_of, rng_state, same_rng_state, set_rng_state, tensors_of, written_state
-from harness.traced import Traced
+from harness.tracing.state import generators_of, rng_state, same_rng_state, set_rng_state, tensors_of, written_state
+from harness.tracing.traced import Traced
 
 
 class _SideEffects:

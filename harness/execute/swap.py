@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from harness.measure import on_host
-from harness.state import tensors_of
+from harness.tracing.state import tensors_of
 from strategies import Plan, members
 
 if TYPE_CHECKING:

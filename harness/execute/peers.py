@@ -9,7 +9,7 @@ call of ``F.scaled_dot_product_attention`` (``attention_checkpointed``), or the 
 modules under ``checkpoint_sequential``. Recomputation runs a block's forward a second time,
 which would update BatchNorm running statistics twice; ``batchnorm_once`` keeps them to one update per
 step (the harness's exactness promise), which plain PyTorch does not.
-Under ``torch.compile`` the peers run as NOTE [measuring torch.compile] (``harness/compiled.py``) says.
+Under ``torch.compile`` the peers run as NOTE [measuring torch.compile] (``harness/execute/compiled.py``) says.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_seq
                                     create_selective_checkpoint_contexts)
 
 import strategies
-from harness import compiled
-from harness.nets import FUNCTIONAL, MODEL_STEPS
+from harness.execute import compiled
+from harness.zoo.nets import FUNCTIONAL, MODEL_STEPS
 from strategies.plan import RUNNERS, Runner
 from strategies.torch_checkpoint_sequential import segment_starts
 
@@ -214,7 +214,7 @@ def sequential_functions(model: nn.Module, sequence: list[str], segments: int) -
 
 def compiled_step(model: nn.Module, example_input: torch.Tensor, loss_fn, budget_ratio: float):
     """The step under ``torch.compile`` with ``activation_memory_budget`` (NOTE [measuring torch.compile] in
-    ``harness/compiled.py``); the returned function has ``compile_time_s``."""
+    ``harness/execute/compiled.py``); the returned function has ``compile_time_s``."""
     return compiled.compiled_step(model, model, example_input, loss_fn, budget_ratio=budget_ratio)
 
 

@@ -21,14 +21,14 @@ paper's Chainer models cannot be had exactly:
   4096, MLP 14336, 32 query and 8 key-value heads; 8.03B parameters), sequence 4096, batch 1. Both have a
   vocabulary of 128,256 and need ``transformers`` (``pip install '.[hf]'``).
 
-Other models are named ``SOURCE:NAME`` (``harness.models``: ``torchvision:convnext_tiny``,
+Other models are named ``SOURCE:NAME`` (``harness.zoo.models``: ``torchvision:convnext_tiny``,
 ``timm:vit_small_patch16_224``, ``module:my_pkg.models:build``).
 
 NOTE [imported where used]
 Every cell is a fresh process, and its imports are part of what a user waits for. torchvision adds 1.6 s to torch's
 2.3, segmentation-models-pytorch 2.7 s, torch.compile's dynamo and inductor 3 s. So the model libraries are imported
 by the builders of the nets that use them, the compiler's modules by the functions that compile
-(``harness/compiled.py``), and pandas (0.6 s) by what reads rows into tables (``harness.results.load_results``, the
+(``harness/execute/compiled.py``), and pandas (0.6 s) by what reads rows into tables (``harness.results.load_results``, the
 benchmarks): an eager U-Net or GPT-2 cell pays for none of them, and a cell writes its row without pandas. Every
 other import is at the top of its module.
 """
@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness import models
-from harness.netspec import (LOSSES, NetSpec, classification_loss, next_token_loss,  # noqa: F401  (the zoo's API)
+from harness.zoo import models
+from harness.zoo.netspec import (LOSSES, NetSpec, classification_loss, next_token_loss,  # noqa: F401  (the zoo's API)
                              segmentation_loss, sum_loss)
 
 
@@ -327,18 +327,18 @@ PAPER_NETS = ("pspnet", "unet", "resnet50", "resnet152", "vgg19", "densenet161",
 
 
 def available() -> list[str]:
-    """The zoo's nets (any other model goes by ``SOURCE:NAME``, ``harness.models``)."""
+    """The zoo's nets (any other model goes by ``SOURCE:NAME``, ``harness.zoo.models``)."""
     return sorted(NETS)
 
 
 def spec(name: str, **options) -> NetSpec:
-    """The zoo's net ``name``, or a model from another source named ``SOURCE:NAME`` (``harness.models``);
+    """The zoo's net ``name``, or a model from another source named ``SOURCE:NAME`` (``harness.zoo.models``);
     ``options`` are a source model's (its builder's keyword arguments, input and loss)."""
     if ":" in name:
         return models.spec(name, **options)
     if name not in NETS:
         raise KeyError(f"unknown net {name!r}; valid nets: {', '.join(available())}, or SOURCE:NAME for "
-                       f"another model (sources: torchvision, timm, module, hf; see harness/models.py)")
+                       f"another model (sources: torchvision, timm, module, hf; see harness/zoo/models.py)")
     if options:
         raise ValueError(f"zoo net {name!r} takes no options, got {sorted(options)}")
     return NETS[name]

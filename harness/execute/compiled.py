@@ -74,8 +74,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from harness.measure import MemoryTracker, clear_grads
-from harness.state import generators_of, state_kept
-from harness.traced import Traced
+from harness.tracing.state import generators_of, state_kept
+from harness.tracing.traced import Traced
 from strategies import Inapplicable, Plan
 
 
@@ -258,7 +258,7 @@ def _aot_eager(partition):
 def plan_step(traced: Traced, plan: Plan, example_input: torch.Tensor, loss_fn):
     """The training step of ``plan`` under ``torch.compile`` (NOTE [compiling a plan]); the returned
     function has ``compile_time_s``."""
-    import torch._dynamo  # NOTE [imported where used] in harness/nets.py
+    import torch._dynamo  # NOTE [imported where used] in harness/zoo/nets.py
 
     try:
         return compiled_step(marked_module(traced), traced.module, example_input, loss_fn, recomputed=plan.recomputed)
@@ -280,7 +280,7 @@ def compiled_step(forward, model: nn.Module, example_input: torch.Tensor, loss_f
     nodes (``forward`` from ``marked_module``). ``context()`` is entered around every call (a peer's
     checkpoints). Off meta, the first step runs here, outside any dispatch mode (NOTE [measuring
     torch.compile]); the returned function has ``compile_time_s``."""
-    import torch._dynamo  # NOTE [imported where used] in harness/nets.py
+    import torch._dynamo  # NOTE [imported where used] in harness/zoo/nets.py
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 

@@ -1,5 +1,5 @@
 """The program's state a step must leave as plain PyTorch leaves it: the random generators it draws from and
-the buffers its layers write. The executor (``harness/execute/``), the compiled step (``harness/compiled.py``)
+the buffers its layers write. The executor (``harness/execute/``), the compiled step (``harness/execute/compiled.py``)
 and the measured cost model take, compare and put back both through these (NOTE [replaying side effects] in
 ``harness/execute/side_effects.py``); the tracer marks which calls draw and which write."""
 
@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 
 
 def grad_mode(node: fx.Node):
-    """The grad mode the model's code ran ``node`` in (NOTE [grad mode] in ``harness/tracer.py``)."""
+    """The grad mode the model's code ran ``node`` in (NOTE [grad mode] in ``harness/tracing/tracer.py``)."""
     return torch.no_grad() if node.meta.get("no_grad") else contextlib.nullcontext()
 
 

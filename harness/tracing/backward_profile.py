@@ -47,9 +47,9 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves, tree_map
 
 from harness.measure import DEVICE_PARTS, MemoryTracker
-from harness.state import grad_mode
-from harness.traced import TraceFailure, describe
-from harness.probe import Probe, new_autograd_nodes, storage_of
+from harness.tracing.state import grad_mode
+from harness.tracing.traced import TraceFailure, describe
+from harness.tracing.probe import Probe, new_autograd_nodes, storage_of
 
 
 def gradients(probe: "Probe", output, loss_fn) -> tuple[dict, dict, dict, set[int] | None, set[tuple[int, int]]]:
@@ -213,7 +213,7 @@ def backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set[
     (``Graph.forward_transient_bytes``), and what its backward held above what was live as it began the
     first time it unpacked each IR node's value or, its own, what it saved besides
     (``Graph.unpack_held_bytes``); the layers whose value outlives the step (NOTE [values held outside
-    the program] in ``harness/trace.py``); last, the bytes each parameter's gradient holds, by parameter storage (NOTE
+    the program] in ``harness/tracing/trace.py``); last, the bytes each parameter's gradient holds, by parameter storage (NOTE
     [parameter gradients])."""
 
     layers: dict[object, int] = {}  # autograd node -> the probe group whose layer call made it
@@ -252,7 +252,7 @@ def backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set[
     with torch.enable_grad(), _LayerPeaks(values, layers, module, (x,)) as tracker:
         # Packed detached: a saved output packed as itself would hold its own grad_fn, a cycle through C++
         # that kept what an unreached branch saved alive after the step (NOTE [values held outside the program]
-        # in ``harness/trace.py``).
+        # in ``harness/tracing/trace.py``).
         with torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, unpack):
             loss_fn(Claiming(module).run(x)).backward()
     grad_bytes = _gradient_bytes(module)

@@ -18,7 +18,7 @@ leave the model as they found it: every buffer written (running statistics) is p
 value, and so is every generator the program draws from. What the time-centric DPs then minimise, and
 the row's ``predicted_overhead_cost``, is the forward time a plan recomputes, in milliseconds. Each cell
 times its layers again, so two runs of a cell may choose different plans where two cost nearly the same. The
-times are eager; a compiled step fuses what it recomputes with the backward (``harness/compiled.py``),
+times are eager; a compiled step fuses what it recomputes with the backward (``harness/execute/compiled.py``),
 where a BatchNorm's or a ReLU's recomputation is nearly free. Meta holds no values to time: refused there.
 """
 
@@ -31,8 +31,8 @@ from typing import Callable, Union
 import torch
 import torch.fx as fx
 
-from harness.state import generators_of, state_kept
-from harness.traced import Traced, target_of
+from harness.tracing.state import generators_of, state_kept
+from harness.tracing.traced import Traced, target_of
 
 
 COST_MODELS = ("paper", "flops", "measured")

@@ -26,7 +26,7 @@ import inspect
 
 from torch import nn
 
-from harness.netspec import LOSSES, NetSpec
+from harness.zoo.netspec import LOSSES, NetSpec
 
 SOURCES = ("torchvision", "timm", "module", "hf")
 DEFAULT_BATCH = 32
@@ -69,7 +69,7 @@ def _near(name: str, choices: list[str]) -> str:
 
 
 def _torchvision(name: str, kwargs: dict) -> dict:
-    import torchvision.models as tvm  # NOTE [imported where used] in harness/nets.py
+    import torchvision.models as tvm  # NOTE [imported where used] in harness/zoo/nets.py
 
     classification = tvm.list_models(module=tvm)
     segmentation = tvm.list_models(module=tvm.segmentation)

@@ -42,7 +42,7 @@ from torch import nn
 from torchvision.ops import StochasticDepth
 
 from harness.measure import clear_grads
-from harness.probe import non_leaf_attributes
+from harness.tracing.probe import non_leaf_attributes
 
 # Above these, a loss or a gradient is wrong, not rounded: a stage order changes only the order in which
 # autograd sums a value's gradient contributions (rounding at ~1e-15 of the gradient's scale in float64,

@@ -81,7 +81,7 @@ def _fsdp2_static(net: str, world_size: int, optimizer: str, dtype: str, net_opt
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from harness import nets
+    from harness.zoo import nets
 
     spec = nets.spec(net, **json.loads(net_options))
     started = not dist.is_initialized()

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import _disable_current_modes
 
-from harness.tracer import on_meta_like
+from harness.tracing.tracer import on_meta_like
 
 
 _ATTENTION = torch.nn.functional.scaled_dot_product_attention

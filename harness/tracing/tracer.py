@@ -8,7 +8,7 @@ assignment itself (``operator.iadd``), and the program writes in place as the mo
 cannot stay in place, the probe turns it back into fx's out-of-place operator before it runs, which is
 exactly what plain fx traces: when the target is not an IR node's value (an input, a parameter, a
 buffer, whose earlier readers a recomputation would rerun on the written tensor), or when another IR node
-has already read it (NOTE [a write after a read] in ``harness/trace.py``). So tracing in place never refuses a model
+has already read it (NOTE [a write after a read] in ``harness/tracing/trace.py``). So tracing in place never refuses a model
 that fx traces. An item assignment (``x[:, 0] = 0``, ``inv_perm[perm] = torch.arange(n)`` in transformers' experts),
 which fx's Proxy refuses, is recorded as ``assign_item``: a write in place that returns the tensor it
 wrote, joining that value's IR node as ``relu_`` would (after another layer read it, as the next note says).
@@ -55,7 +55,7 @@ torch.fx records calls, not the grad mode they ran in: a ``with torch.no_grad():
 EMA update, a codebook assignment, a statistic used as a constant) would run with autograd on, and
 gradients would flow where the model sends none. The tracer notes each node made while grad mode is off
 (``node.meta["no_grad"]``), and every runner runs it so: the probe (``grad_mode``), the executor (``call_node``), the
-compiled path, whose fx module turns the mode off around it (``marked_module`` in ``harness/compiled.py``;
+compiled path, whose fx module turns the mode off around it (``marked_module`` in ``harness/execute/compiled.py``;
 its marks, the values themselves, run with the mode on, so a write under ``no_grad`` cuts no gradient).
 
 NOTE [autocast in the forward]
@@ -136,8 +136,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from harness.measure import meta_call, op_flops
-from harness.state import rng_state, set_rng_state
-from harness.traced import TraceFailure, describe
+from harness.tracing.state import rng_state, set_rng_state
+from harness.tracing.traced import TraceFailure, describe
 
 
 # Each augmented assignment on a tensor, and the operator fx would have traced instead.
@@ -515,7 +515,7 @@ def _proxies_kept(model: torch.nn.Module, before: dict[int, dict]) -> dict[str, 
     """The fx nodes whose Proxy a trace left in a module's attribute, directly or in a list, tuple or dict:
     node name -> (module, attribute). Each attribute that holds one gets its value from before the trace
     back. A shape kept so (``self.H = x.shape[2]``) is harmless; a tensor is not (NOTE [values held outside
-    the program] in ``harness/trace.py``)."""
+    the program] in ``harness/tracing/trace.py``)."""
     found = {}
     for name, m in model.named_modules():
         for key, value in list(vars(m).items()):
