@@ -8,11 +8,11 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from harness.zoo import nets
-from harness.zoo.models import NotAModel
 from harness.cell import Cell, make_cell
 from harness.results import Status, cell_name
 from harness.run import run
+from harness.zoo import nets
+from harness.zoo.models import NotAModel
 import strategies
 
 

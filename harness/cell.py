@@ -14,12 +14,12 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import strategies
-from harness.zoo import nets
-from harness.execute import sharding
 from harness.budget import parse_budget
-from harness.tracing.cost_models import check_cost_model
+from harness.execute import sharding
 from harness.measure import check_device
 from harness.results import SCHEMA_VERSION, cell_name
+from harness.tracing.cost_models import check_cost_model
+from harness.zoo import nets
 
 
 @dataclass(frozen=True)

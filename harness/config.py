@@ -12,8 +12,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from harness.tracing.cost_models import COST_MODELS
 from harness.execute.sharding import OPTIMIZERS, SHARDS
+from harness.tracing.cost_models import COST_MODELS
 
 DType = enum.Enum("DType", {name: name for name in ("float32", "bfloat16", "float16", "float64")})
 CostModel = enum.Enum("CostModel", {name: name for name in COST_MODELS})

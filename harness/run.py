@@ -8,7 +8,6 @@ The Hydra entry point (``__main__``) and every driver in ``harness.bench`` go th
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import datetime
 import json
 import logging
@@ -27,17 +26,16 @@ from typing import Callable
 import torch
 
 import strategies
-from harness.zoo import nets
-from harness.execute import peers, sharding
 from harness.cell import Cell, make_cell
+from harness.execute import execute, peers, sharding
 from harness.execute.compiled import plan_step as compiled_plan_step
-from harness.execute import execute
 from harness.measure import measure as measure_step
-from harness.zoo.models import NotAModel
 from harness.plans import save_plan
 from harness.results import FINAL, SCHEMA_VERSION, Status, read_row, write_row
 from harness.tracing.trace import trace
 from harness.tracing.traced import Traced
+from harness.zoo import nets
+from harness.zoo.models import NotAModel
 from strategies.plan import Plan, Runner
 from strategies.simulate import step_flops
 
@@ -153,7 +151,7 @@ def build(cell: Cell) -> Built:
     if cell.sharded:  # NOTE [a rank under FSDP2] in harness/execute/sharding.py
         static_bytes = sharding.fsdp2_static(cell.net, cell.world_size, cell.optimizer, cell.dtype,
                                              cell.net_options)["static_bytes"]
-        graph = dataclasses.replace(graph, param_grads_released=True)
+        graph = graph.replace(param_grads_released=True)
     return Built(model=made.model, example_input=made.example_input, loss_fn=made.loss_fn, traced=made.traced,
                  graph=graph, static_bytes=static_bytes,
                  structure=nets.structure(cell.net, made.model, **cell.net_options))

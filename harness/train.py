@@ -31,8 +31,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import strategies
 from harness.budget import parse_budget
-from harness.execute.compiled import marked_module, plan_backend
 from harness.execute import call_node, execute, stage_keys
+from harness.execute.compiled import marked_module, plan_backend
 from harness.plans import load_plan, save_plan
 from harness.run import check_compilable, fixed_bytes, solve_on_device
 from harness.tracing.state import generators_of, rng_state, set_rng_state

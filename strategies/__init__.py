@@ -20,7 +20,7 @@ import importlib
 import time
 from types import ModuleType
 
-from strategies.graph import Graph, bits, members
+from strategies.graph import Graph, Profile, bits, members
 from strategies.plan import Action, Inapplicable, InfeasibleBudget, Plan, SolverTimeout
 from strategies.simulate import Prediction, simulate
 
@@ -43,7 +43,7 @@ _MODULES = {
     "swap": "strategies.swap",
 }
 
-__all__ = ["Action", "Graph", "Inapplicable", "InfeasibleBudget", "Plan", "Prediction", "SolverTimeout",
+__all__ = ["Action", "Graph", "Inapplicable", "InfeasibleBudget", "Plan", "Prediction", "Profile", "SolverTimeout",
            "available", "bits", "cycle_collector_off", "least_budget", "members", "module", "simulate", "solve"]
 
 

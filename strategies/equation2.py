@@ -22,12 +22,12 @@ from strategies.plan import Plan
 
 def equation_2_peak(graph: Graph, plan: Plan) -> int:
     """Equation (2) on ``graph``'s node sizes; the last stage, which holds the output while the loss runs,
-    also holds ``graph.loss_bytes`` (zero in Kusumoto et al.'s model: ``dp_view``)."""
+    also holds ``graph.profile.loss_bytes`` (zero in Kusumoto et al.'s model: ``dp_view``)."""
     peak, cached_before = 0, 0  # term (i): the kept values of the stages before; swapped ones are on the host
     last = len(plan.stages) - 1
     for i, (stage, (lower, later)) in enumerate(zip(plan.stages, graph.frontiers(plan.stages))):  # later: δ⁺(L_i) \ L_i
         others = graph.in_neighbours(later) & ~lower  # δ⁻(δ⁺(L_i) \ L_i) \ L_i
-        loss = graph.loss_bytes if i == last else 0
+        loss = graph.profile.loss_bytes if i == last else 0
         peak = max(peak, cached_before + 2 * graph.mem(stage) + graph.mem(later) + graph.mem(others) + loss)
         cached_before += graph.mem(plan.kept & ~plan.swapped & stage)
     return peak
@@ -39,7 +39,7 @@ MEMORY_MODELS = ("traced", "paper")
 def dp_peak(graph: Graph, plan: Plan) -> int:
     """The peak a DP's plan was judged by: equation (2) on its ``memory_model``'s sizes, parameter
     gradients added as ``simulate`` adds them."""
-    return equation_2_peak(dp_view(graph, plan.info["memory_model"]), plan) + sum(graph.param_bytes)
+    return equation_2_peak(dp_view(graph, plan.info["memory_model"]), plan) + sum(graph.profile.param_bytes)
 
 
 def dp_view(graph: Graph, memory_model: str) -> Graph:
@@ -47,9 +47,9 @@ def dp_view(graph: Graph, memory_model: str) -> Graph:
     Kusumoto et al.'s, each node's value alone and no loss; ``traced``, each node's value with what its layer saves
     besides node values, and the loss's working set in the last stage."""
     if memory_model == "paper":
-        return graph.replace(loss_bytes=0) if graph.loss_bytes else graph
+        return graph.replace(loss_bytes=0) if graph.profile.loss_bytes else graph
     if memory_model == "traced":
-        if not any(graph.saved_extra_bytes):
+        if not any(graph.profile.saved_extra_bytes):
             return graph
-        return graph.replace(mem_bytes=[m + e for m, e in zip(graph.mem_bytes, graph.saved_extra_bytes)])
+        return graph.replace(mem_bytes=[m + e for m, e in zip(graph.mem_bytes, graph.profile.saved_extra_bytes)])
     raise ValueError(f"unknown memory_model {memory_model!r}; valid: {', '.join(MEMORY_MODELS)}")

@@ -69,7 +69,7 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
     # The approximate DP's chains are chains of the exact family: its minimal budget bounds the search.
     principal_words = words_of(principal, len(graph))
     approx = prepare(dp_view(graph, options.memory_model), principal_words)
-    upper = minimal_budget(approx) + sum(graph.param_bytes)
+    upper = minimal_budget(approx) + sum(graph.profile.param_bytes)
 
     def approx_plan():  # its chains are the exact DP's too: the exact DP's plan is never worse than approx_dp's
         try:

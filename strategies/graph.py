@@ -65,8 +65,9 @@ def _union(masks: tuple[int, ...], rows: np.ndarray, nodes: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class Graph:
-    """A computational graph of values.
+class Profile:
+    """What a trace measured of a graph's backward pass and its loss; a hand-written graph's defaults are
+    Kusumoto et al. 2019's model (every predecessor read, nothing held besides node values, no loss).
 
     ``backward_reads[v]`` lists the nodes whose forward values the backward of ``v``'s computation reads
     (its saved tensors); by default every predecessor, which is Kusumoto et al.'s model. A traced graph records
@@ -76,10 +77,7 @@ class Graph:
     each parameter counted once; ``param_sharers[v]`` the other nodes that read them (a module applied
     several times, a tied embedding): the backward of whichever of them runs first makes those gradients.
     Both default to zero (and no sharers), as in Kusumoto et al. 2019, which leaves parameters out of the model.
-    ``scopes[v]`` is the path of the module that computed ``v`` (``"layer1.0.conv1"``), when the graph was
-    traced; strategies that follow a net's own blocks read it. ``flops[v]`` counts the floating-point operations
-    of ``v``'s forward computation (traced graphs; hand-written ones default to ``cost``), for strategies that
-    need times rather than cost units (``swap``). ``loss_bytes`` is what the loss's backward holds at its
+    ``loss_bytes`` is what the loss's backward holds at its
     peak, besides the outputs, their gradients and what stays (a language model's log-softmax over
     the vocabulary), measured when the graph was traced with its loss; zero otherwise. ``loss_held_bytes``
     is what stays to the end of the step (the loss's value and the backward's seed).
@@ -87,9 +85,7 @@ class Graph:
     saved (the loss's value, the seed, and the gradient a mean's backward made before a square's unpacks
     its input): a recomputation of that output's stage runs on top of it.
     ``loss_forward_bytes`` is what the loss's forward holds at its peak besides the outputs (a log-softmax
-    over the vocabulary before the loss reduces it). ``outputs`` are the nodes whose values the model
-    returns (None, the default: every sink, as Kusumoto et al. 2019 has it); they stay until the loss has read them.
-    ``loss_grad_bytes[v]`` is what the gradient the loss hands output ``v`` adds to the device, which may
+    over the vocabulary before the loss reduces it). ``loss_grad_bytes[v]`` is what the gradient the loss hands output ``v`` adds to the device, which may
     be far less than the output: a sum hands each output an expanded view of its backward's seed, which
     adds nothing (None, the default: each output's value's size; zero for every other node).
     ``loss_reads`` lists the outputs whose values the loss's backward reads (a mean squared error saves its
@@ -155,40 +151,58 @@ class Graph:
     that uses the same state (``forward_order`` in ``strategies/replay.py``); empty on hand-written graphs.
     """
 
+    backward_reads: tuple[tuple[int, ...], ...]
+    saved_extra_bytes: tuple[int, ...]
+    param_bytes: tuple[int, ...]
+    param_sharers: tuple[tuple[int, ...], ...]
+    loss_bytes: int
+    loss_held_bytes: int
+    loss_unpack_bytes: int
+    grad_shares: tuple[tuple[tuple[tuple[int, ...], int], ...], ...]
+    backward_work_bytes: tuple[int, ...]
+    recompute_state_bytes: tuple[int, ...]
+    backward_peak_bytes: tuple[int, ...] | None
+    early_grads: tuple[tuple[int, ...], ...]
+    loss_forward_bytes: int
+    loss_grad_bytes: tuple[int, ...]
+    loss_reads: tuple[int, ...]
+    backward_frees: tuple[tuple[tuple[int, ...], int], ...] | None
+    forward_transient_bytes: tuple[int, ...] | None
+    unpack_held_bytes: tuple[tuple[tuple[int, int], ...], ...] | None
+    attribute_bytes: tuple[int, ...]
+    attribute_saved: tuple[bool, ...]
+    unreached: tuple[int, ...]
+    preds_without_grad: tuple[tuple[int, ...], ...]
+    shared_state: tuple[tuple[str, ...], ...]
+    extras_after_reads: tuple[bool, ...] | None
+    param_grads_released: bool
+    reached: tuple[bool, ...] = field(repr=False, compare=False)  # not unreached, per node
+
+
+@dataclass(frozen=True, slots=True)
+class Graph:
+    """A computational graph of values: its topology and each value's size and cost (Checkmate's ``DFGraph``
+    holds as much), and ``profile``, what a trace measured of its backward and its loss (``Profile``).
+
+    ``scopes[v]`` is the path of the module that computed ``v`` (``"layer1.0.conv1"``), when the graph was
+    traced; strategies that follow a net's own blocks read it. ``flops[v]`` counts the floating-point operations
+    of ``v``'s forward computation (traced graphs; hand-written ones default to ``cost``), for strategies that
+    need times rather than cost units (``swap``). ``outputs`` are the nodes whose values the model returns
+    (None, the default: every sink, as Kusumoto et al. 2019 has it); they stay until the loss has read them.
+    The constructor takes the profile's fields as keywords too (``Graph(mem_bytes=..., cost=..., edges=...,
+    backward_reads=...)``); the strategies that plan by topology and sizes alone (the DPs' lower sets, Chen
+    et al.'s segments) read ``mem_bytes``, ``cost`` and the edges, the replay reads the profile too.
+    """
+
     mem_bytes: tuple[int, ...]
     cost: tuple[float, ...]
     edges: tuple[tuple[int, int], ...]
     names: tuple[str, ...] | None = None
     kinds: tuple[str, ...] | None = None
-    backward_reads: tuple[tuple[int, ...], ...] | None = None
-    saved_extra_bytes: tuple[int, ...] | None = None
-    param_bytes: tuple[int, ...] | None = None
-    param_sharers: tuple[tuple[int, ...], ...] | None = None
     scopes: tuple[str, ...] | None = None
     flops: tuple[float, ...] | None = None
-    loss_bytes: int = 0
-    loss_held_bytes: int = 0
-    loss_unpack_bytes: int = 0
-    grad_shares: tuple[tuple[tuple[tuple[int, ...], int], ...], ...] | None = None
-    backward_work_bytes: tuple[int, ...] | None = None
-    recompute_state_bytes: tuple[int, ...] | None = None
-    backward_peak_bytes: tuple[int, ...] | None = None
-    early_grads: tuple[tuple[int, ...], ...] | None = None
-    loss_forward_bytes: int = 0
+    profile: Profile = field(init=False)  # made by the constructor from its keywords
     outputs: tuple[int, ...] | None = None
-    loss_grad_bytes: tuple[int, ...] | None = None
-    loss_reads: tuple[int, ...] = ()
-    backward_frees: tuple[tuple[tuple[int, ...], int], ...] | None = None
-    forward_transient_bytes: tuple[int, ...] | None = None
-    unpack_held_bytes: tuple[tuple[tuple[int, int], ...], ...] | None = None
-    attribute_bytes: tuple[int, ...] | None = None
-    attribute_saved: tuple[bool, ...] | None = None
-    unreached: tuple[int, ...] = ()
-    preds_without_grad: tuple[tuple[int, ...], ...] | None = None
-    shared_state: tuple[tuple[str, ...], ...] | None = None
-    extras_after_reads: tuple[bool, ...] | None = None
-    param_grads_released: bool = False
-    reached: tuple[bool, ...] = field(init=False, repr=False, compare=False)  # not unreached, per node
     preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     pred_mask: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -197,13 +211,10 @@ class Graph:
     pred_words: np.ndarray = field(init=False, repr=False, compare=False)  # pred_mask as rows of words
     succ_words: np.ndarray = field(init=False, repr=False, compare=False)
 
-    def __init__(self, mem_bytes, cost, edges, names=None, kinds=None, backward_reads=None,
-                 saved_extra_bytes=None, param_bytes=None, scopes=None, flops=None, loss_bytes=0, grad_shares=None,
-                 backward_work_bytes=None, loss_held_bytes=0, recompute_state_bytes=None, backward_peak_bytes=None,
-                 early_grads=None, loss_forward_bytes=0, outputs=None, loss_grad_bytes=None, loss_reads=(),
-                 backward_frees=None, forward_transient_bytes=None, param_sharers=None, unpack_held_bytes=None,
-                 attribute_bytes=None, unreached=(), loss_unpack_bytes=0, preds_without_grad=None,
-                 shared_state=None, attribute_saved=None, extras_after_reads=None, param_grads_released=False):
+    def __init__(self, mem_bytes, cost, edges, names=None, kinds=None, scopes=None, flops=None, outputs=None,
+                 **profile):
+        """``profile``: the ``Profile``'s fields, as ``profile_of`` takes them (each defaults to Kusumoto et al.'s
+        model)."""
         n = len(mem_bytes)
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
         put("mem_bytes", tuple(int(m) for m in mem_bytes))
@@ -213,62 +224,12 @@ class Graph:
         put("kinds", tuple(kinds) if kinds is not None else tuple("op" for _ in range(n)))
         _validate(self)
         _put_adjacency(self)
-        preds, succs = self.preds, self.succs
-        reads = backward_reads if backward_reads is not None else preds
-        put("backward_reads", tuple(tuple(sorted(set(r))) for r in reads))
-        extra = saved_extra_bytes if saved_extra_bytes is not None else [0] * n
-        put("saved_extra_bytes", tuple(int(b) for b in extra))
-        params = param_bytes if param_bytes is not None else [0] * n
-        put("param_bytes", tuple(int(b) for b in params))
-        sharers = param_sharers if param_sharers is not None else [()] * n
-        put("param_sharers", tuple(tuple(sorted({int(u) for u in s})) for s in sharers))
         put("scopes", tuple(str(x) for x in scopes) if scopes is not None else tuple("" for _ in range(n)))
         put("flops", tuple(float(f) for f in flops) if flops is not None else self.cost)
-        put("loss_bytes", int(loss_bytes))
-        put("loss_held_bytes", int(loss_held_bytes))
-        put("loss_unpack_bytes", int(loss_unpack_bytes))
-        shares = grad_shares if grad_shares is not None else [()] * n
-        put("grad_shares", tuple(tuple((tuple(sorted(int(u) for u in preds)), int(size)) for preds, size in s)
-                                 for s in shares))
-        work = backward_work_bytes if backward_work_bytes is not None else [0] * n
-        put("backward_work_bytes", tuple(int(b) for b in work))
-        state = recompute_state_bytes if recompute_state_bytes is not None else [0] * n
-        put("recompute_state_bytes", tuple(int(b) for b in state))
-        put("backward_peak_bytes", None if backward_peak_bytes is None else tuple(int(b) for b in backward_peak_bytes))
-        early = early_grads if early_grads is not None else [()] * n
-        put("early_grads", tuple(tuple(sorted(int(u) for u in preds)) for preds in early))
-        put("loss_forward_bytes", int(loss_forward_bytes))
-        sinks = [v for v in range(n) if not succs[v]]
+        sinks = [v for v in range(n) if not self.succs[v]]
         put("outputs", tuple(sinks if outputs is None else sorted({int(v) for v in outputs})))
-        if loss_grad_bytes is None:
-            loss_grad_bytes = [self.mem_bytes[v] if v in self.outputs else 0 for v in range(n)]
-        put("loss_grad_bytes", tuple(int(b) for b in loss_grad_bytes))
-        put("loss_reads", tuple(sorted({int(v) for v in loss_reads})))
-        put("backward_frees", None if backward_frees is None else
-            tuple((tuple(sorted(int(u) for u in freed)), int(peak)) for freed, peak in backward_frees))
-        put("forward_transient_bytes", None if forward_transient_bytes is None else
-            tuple(int(b) for b in forward_transient_bytes))
-        put("unpack_held_bytes", None if unpack_held_bytes is None else
-            tuple(tuple((int(u), int(b)) for u, b in firsts) for firsts in unpack_held_bytes))
-        put("attribute_bytes", tuple(int(b) for b in (attribute_bytes if attribute_bytes is not None else [0] * n)))
-        put("attribute_saved", tuple(bool(b) for b in (attribute_saved if attribute_saved is not None else
-                                                       [b > 0 for b in self.attribute_bytes])))
-        put("unreached", tuple(sorted({int(v) for v in unreached})))
-        put("extras_after_reads", None if extras_after_reads is None else tuple(bool(b) for b in extras_after_reads))
-        put("param_grads_released", bool(param_grads_released))
-        unreached_set = set(self.unreached)
-        put("reached", tuple(v not in unreached_set for v in range(n)))
-        without = preds_without_grad if preds_without_grad is not None else [()] * n
-        put("preds_without_grad", tuple(tuple(sorted({int(u) for u in preds})) for preds in without))
-        state = shared_state if shared_state is not None else [()] * n
-        if len(state) != n:
-            raise ValueError("Graph: shared_state needs one entry per node")
-        put("shared_state", tuple(tuple(sorted({str(name) for name in names})) for names in state))
+        put("profile", profile_of(self, **profile))
         _validate_backward(self)
-        if min(self.loss_bytes, self.loss_held_bytes, self.loss_forward_bytes, self.loss_unpack_bytes) < 0:
-            raise ValueError(f"Graph: loss_bytes, loss_held_bytes, loss_forward_bytes and loss_unpack_bytes must "
-                             f"not be negative, got {self.loss_bytes}, {self.loss_held_bytes}, "
-                             f"{self.loss_forward_bytes} and {self.loss_unpack_bytes}")
 
     def __len__(self) -> int:
         return len(self.mem_bytes)
@@ -310,22 +271,19 @@ class Graph:
 
     def read_by_backward(self) -> set[int]:
         """The nodes whose values a backward that runs reads (the loss's aside; ``unreached``)."""
-        return {u for v, reads in enumerate(self.backward_reads) if self.reached[v] for u in reads}
+        return {u for v, reads in enumerate(self.profile.backward_reads) if self.profile.reached[v] for u in reads}
 
     def replace(self, **fields) -> Graph:
-        """A copy with some fields changed (the constructor's arguments)."""
-        names = ("mem_bytes", "cost", "edges", "names", "kinds", "backward_reads", "saved_extra_bytes",
-                 "param_bytes", "scopes", "flops", "loss_bytes", "grad_shares",
-                 "backward_work_bytes", "loss_held_bytes", "recompute_state_bytes", "backward_peak_bytes",
-                 "early_grads", "loss_forward_bytes", "outputs", "loss_grad_bytes", "loss_reads", "backward_frees",
-                 "forward_transient_bytes", "param_sharers", "unpack_held_bytes", "attribute_bytes", "unreached",
-                 "loss_unpack_bytes", "preds_without_grad", "shared_state", "attribute_saved", "extras_after_reads")
-        return Graph(**{name: fields.get(name, getattr(self, name)) for name in names})
+        """A copy with some fields changed (the constructor's arguments, the profile's among them)."""
+        names = ("mem_bytes", "cost", "edges", "names", "kinds", "scopes", "flops", "outputs")
+        given = {name: getattr(self, name) for name in names}
+        given.update((name, getattr(self.profile, name)) for name in Profile.__dataclass_fields__ if name != "reached")
+        return Graph(**{**given, **fields})
 
     def saves_more(self, v: int) -> bool:
         """``v``'s layer saves for its backward a tensor that is no node's value (an extra, or what its module
         keeps), so a plan that discards ``v`` recomputes it for that backward."""
-        return bool(self.saved_extra_bytes[v] or self.attribute_saved[v])
+        return bool(self.profile.saved_extra_bytes[v] or self.profile.attribute_saved[v])
 
     def mem(self, nodes: int) -> int:
         return sum(map(self.mem_bytes.__getitem__, members(nodes)))
@@ -337,7 +295,7 @@ class Graph:
         """The values no recomputation makes, whatever the plan: those no gradient reaches (an auxiliary
         head's) that no value a gradient reaches is made from (NOTE [what a recomputation makes] in
         ``strategies/replay.py``)."""
-        reached = sum(1 << v for v in range(len(self)) if self.reached[v])
+        reached = sum(1 << v for v in range(len(self)) if self.profile.reached[v])
         return self.all_nodes & ~self.with_inputs_within(reached, self.all_nodes)
 
     def with_inputs_within(self, nodes: int, within: int) -> int:
@@ -348,6 +306,62 @@ class Graph:
             if nodes >> v & 1:
                 nodes |= self.pred_mask[v] & within
         return nodes
+
+
+def profile_of(graph: Graph, backward_reads=None, saved_extra_bytes=None, param_bytes=None, param_sharers=None,
+               loss_bytes=0, loss_held_bytes=0, loss_unpack_bytes=0, grad_shares=None, backward_work_bytes=None,
+               recompute_state_bytes=None, backward_peak_bytes=None, early_grads=None, loss_forward_bytes=0,
+               loss_grad_bytes=None, loss_reads=(), backward_frees=None, forward_transient_bytes=None,
+               unpack_held_bytes=None, attribute_bytes=None, attribute_saved=None, unreached=(),
+               preds_without_grad=None, shared_state=None, extras_after_reads=None,
+               param_grads_released=False) -> Profile:
+    """``graph``'s profile from these fields, each None (or zero, or empty) as Kusumoto et al.'s model has it."""
+    n = len(graph)
+
+    def per_node(values, default, convert):
+        return tuple(convert(x) for x in (values if values is not None else [default] * n))
+
+    def sorted_nodes(nodes):
+        return tuple(sorted({int(u) for u in nodes}))
+
+    if min(loss_bytes, loss_held_bytes, loss_forward_bytes, loss_unpack_bytes) < 0:
+        raise ValueError(f"Graph: loss_bytes, loss_held_bytes, loss_forward_bytes and loss_unpack_bytes must "
+                         f"not be negative, got {loss_bytes}, {loss_held_bytes}, {loss_forward_bytes} and "
+                         f"{loss_unpack_bytes}")
+    if shared_state is not None and len(shared_state) != n:
+        raise ValueError("Graph: shared_state needs one entry per node")
+    if loss_grad_bytes is None:
+        loss_grad_bytes = [graph.mem_bytes[v] if v in graph.outputs else 0 for v in range(n)]
+    attribute_bytes = per_node(attribute_bytes, 0, int)
+    unreached = sorted_nodes(unreached)
+    return Profile(
+        backward_reads=tuple(tuple(sorted(set(r))) for r in (backward_reads if backward_reads is not None
+                                                              else graph.preds)),
+        saved_extra_bytes=per_node(saved_extra_bytes, 0, int), param_bytes=per_node(param_bytes, 0, int),
+        param_sharers=per_node(param_sharers, (), sorted_nodes),
+        loss_bytes=int(loss_bytes), loss_held_bytes=int(loss_held_bytes), loss_unpack_bytes=int(loss_unpack_bytes),
+        grad_shares=per_node(grad_shares, (), lambda shares: tuple(
+            (tuple(sorted(int(u) for u in preds)), int(size)) for preds, size in shares)),
+        backward_work_bytes=per_node(backward_work_bytes, 0, int),
+        recompute_state_bytes=per_node(recompute_state_bytes, 0, int),
+        backward_peak_bytes=None if backward_peak_bytes is None else tuple(int(b) for b in backward_peak_bytes),
+        early_grads=per_node(early_grads, (), lambda preds: tuple(sorted(int(u) for u in preds))),
+        loss_forward_bytes=int(loss_forward_bytes), loss_grad_bytes=tuple(int(b) for b in loss_grad_bytes),
+        loss_reads=sorted_nodes(loss_reads),
+        backward_frees=None if backward_frees is None else tuple(
+            (tuple(sorted(int(u) for u in freed)), int(peak)) for freed, peak in backward_frees),
+        forward_transient_bytes=None if forward_transient_bytes is None else tuple(
+            int(b) for b in forward_transient_bytes),
+        unpack_held_bytes=None if unpack_held_bytes is None else tuple(
+            tuple((int(u), int(b)) for u, b in firsts) for firsts in unpack_held_bytes),
+        attribute_bytes=attribute_bytes,
+        attribute_saved=tuple(bool(b) for b in (attribute_saved if attribute_saved is not None
+                                                else [b > 0 for b in attribute_bytes])),
+        unreached=unreached, reached=tuple(v not in set(unreached) for v in range(n)),
+        preds_without_grad=per_node(preds_without_grad, (), sorted_nodes),
+        shared_state=per_node(shared_state, (), lambda names: tuple(sorted({str(name) for name in names}))),
+        extras_after_reads=None if extras_after_reads is None else tuple(bool(b) for b in extras_after_reads),
+        param_grads_released=bool(param_grads_released))
 
 
 def _put_adjacency(graph: Graph) -> None:
@@ -401,51 +415,51 @@ def _validate(graph: Graph) -> None:
 
 def _validate_backward(graph: Graph) -> None:
     n = len(graph)
-    if (len(graph.backward_reads) != n or len(graph.saved_extra_bytes) != n or len(graph.param_bytes) != n
-            or len(graph.param_sharers) != n or len(graph.scopes) != n or len(graph.flops) != n):
+    if (len(graph.profile.backward_reads) != n or len(graph.profile.saved_extra_bytes) != n or len(graph.profile.param_bytes) != n
+            or len(graph.profile.param_sharers) != n or len(graph.scopes) != n or len(graph.flops) != n):
         raise ValueError("Graph: backward_reads, saved_extra_bytes, param_bytes, param_sharers, scopes and flops "
                          "need one entry per node")
-    for v, sharers in enumerate(graph.param_sharers):
-        if sharers and not graph.param_bytes[v]:
+    for v, sharers in enumerate(graph.profile.param_sharers):
+        if sharers and not graph.profile.param_bytes[v]:
             raise ValueError(f"Graph: node {v} ({graph.names[v]}) has param_sharers {list(sharers)} but no "
                              "param_bytes; sharers read the parameters whose gradients param_bytes counts")
         if any(not 0 <= u < n or u == v for u in sharers):
             raise ValueError(f"Graph: param_sharers of node {v} ({graph.names[v]}) must be other nodes, got "
                              f"{list(sharers)}")
-    if (len(graph.grad_shares) != n or len(graph.backward_work_bytes) != n or len(graph.recompute_state_bytes) != n
-            or len(graph.attribute_bytes) != n or len(graph.attribute_saved) != n):
+    if (len(graph.profile.grad_shares) != n or len(graph.profile.backward_work_bytes) != n or len(graph.profile.recompute_state_bytes) != n
+            or len(graph.profile.attribute_bytes) != n or len(graph.profile.attribute_saved) != n):
         raise ValueError("Graph: grad_shares, backward_work_bytes, recompute_state_bytes, attribute_bytes and "
                          "attribute_saved need one entry per node")
-    if not all(0 <= v < n for v in graph.unreached):
-        raise ValueError(f"Graph: unreached {graph.unreached} must be nodes 0..{n - 1}")
-    for v in graph.unreached:
-        if graph.param_bytes[v] or any(v in sharers for sharers in graph.param_sharers):
+    if not all(0 <= v < n for v in graph.profile.unreached):
+        raise ValueError(f"Graph: unreached {graph.profile.unreached} must be nodes 0..{n - 1}")
+    for v in graph.profile.unreached:
+        if graph.profile.param_bytes[v] or any(v in sharers for sharers in graph.profile.param_sharers):
             raise ValueError(f"Graph: node {v} ({graph.names[v]}) is unreached but counts parameter gradients; "
                              "only a backward that runs makes them")
-    if graph.backward_peak_bytes is not None and len(graph.backward_peak_bytes) != n:
+    if graph.profile.backward_peak_bytes is not None and len(graph.profile.backward_peak_bytes) != n:
         raise ValueError("Graph: backward_peak_bytes needs one entry per node (or None: not measured)")
-    if graph.backward_frees is not None and len(graph.backward_frees) != n:
+    if graph.profile.backward_frees is not None and len(graph.profile.backward_frees) != n:
         raise ValueError("Graph: backward_frees needs one entry per node (or None: not measured)")
-    if graph.forward_transient_bytes is not None and len(graph.forward_transient_bytes) != n:
+    if graph.profile.forward_transient_bytes is not None and len(graph.profile.forward_transient_bytes) != n:
         raise ValueError("Graph: forward_transient_bytes needs one entry per node (or None: not measured)")
-    if graph.unpack_held_bytes is not None and len(graph.unpack_held_bytes) != n:
+    if graph.profile.unpack_held_bytes is not None and len(graph.profile.unpack_held_bytes) != n:
         raise ValueError("Graph: unpack_held_bytes needs one entry per node (or None: not measured)")
-    for v, shares in enumerate(graph.grad_shares):
+    for v, shares in enumerate(graph.profile.grad_shares):
         shared = [u for preds, _ in shares for u in preds]
         if len(set(shared)) != len(shared) or not set(shared) <= set(graph.preds[v]):
             raise ValueError(f"Graph: grad_shares[{v}] must name predecessors of node {v} ({graph.names[v]}), "
                              f"each at most once; got {shares}")
     if not all(0 <= v < n for v in graph.outputs):
         raise ValueError(f"Graph: outputs {graph.outputs} must be nodes 0..{n - 1}")
-    if len(graph.loss_grad_bytes) != n or min(graph.loss_grad_bytes, default=0) < 0:
+    if len(graph.profile.loss_grad_bytes) != n or min(graph.profile.loss_grad_bytes, default=0) < 0:
         raise ValueError("Graph: loss_grad_bytes needs one entry per node, none negative")
-    if not set(graph.loss_reads) <= set(graph.outputs):
-        raise ValueError(f"Graph: loss_reads {graph.loss_reads} must name outputs of the model {graph.outputs}")
+    if not set(graph.profile.loss_reads) <= set(graph.outputs):
+        raise ValueError(f"Graph: loss_reads {graph.profile.loss_reads} must name outputs of the model {graph.outputs}")
     for field_name in ("early_grads", "preds_without_grad"):
-        listed = getattr(graph, field_name)
+        listed = getattr(graph.profile, field_name)
         if len(listed) != n or any(not set(e) <= set(graph.preds[v]) for v, e in enumerate(listed)):
             raise ValueError(f"Graph: {field_name} needs one entry per node, each naming predecessors of the node")
-    for v, reads in enumerate(graph.backward_reads):
+    for v, reads in enumerate(graph.profile.backward_reads):
         for u in reads:
             if u != v and u not in graph.preds[v]:
                 raise ValueError(f"Graph: the backward of node {v} ({graph.names[v]}) reads node {u}, which "

@@ -170,7 +170,7 @@ def solve(graph: Graph, budget_bytes: int | None, *, options: Options | None = N
     if budget_bytes is None:
         start = start or schedule.from_plan(graph, approx_dp.solve(graph, None,
                                                                    options=approx_dp.Options(memory_model="paper")))
-        budget_bytes = schedule.peak(schedule.training_graph(graph), *start) + sum(graph.param_bytes)
+        budget_bytes = schedule.peak(schedule.training_graph(graph), *start) + sum(graph.profile.param_bytes)
     return optimise(graph, budget_bytes, start if options.warm_start else None, options.time_limit_s)
 
 
@@ -292,7 +292,7 @@ def optimise(graph: Graph, budget_bytes: int, start, time_limit_s: float) -> Pla
     """The least-overhead schedule within ``budget_bytes`` (parameter gradients included), HiGHS starting
     from schedule ``start`` (R, S) where it fits."""
     tg = schedule.training_graph(graph)
-    budget = budget_bytes - sum(graph.param_bytes)
+    budget = budget_bytes - sum(graph.profile.param_bytes)
     if budget <= 0:
         raise InfeasibleBudget(budget_bytes, least_budget(graph, time_limit_s), "ilp_optimal")
     if start is not None and schedule.peak(tg, *start) > budget:
@@ -319,7 +319,7 @@ def least_budget(graph: Graph, time_limit_s: float) -> int | None:
     least, status = _least_peak(tg, time_limit_s)
     if status != "optimal":
         return None
-    return schedule.peak(tg, *least) + sum(graph.param_bytes)
+    return schedule.peak(tg, *least) + sum(graph.profile.param_bytes)
 
 
 @dataclass(frozen=True, slots=True)

@@ -153,7 +153,7 @@ def prepare(graph: Graph, words: np.ndarray) -> Table:
     words, boundary, maximal = words[order], boundary[order], maximal[order]
     values = np.asfortranarray(values[order])  # the kernels read a column over many sets at a time
     assert not words[0].any() and bitset(words[-1]) == graph.all_nodes, "bug: a family runs from ∅ to V"
-    values[-1, kernels.KEY] += graph.loss_bytes  # the stage that ends at V holds the loss's buffers too
+    values[-1, kernels.KEY] += graph.profile.loss_bytes  # the stage that ends at V holds the loss's buffers too
     sets = (boundary, values, *kernels.rows(maximal, n), kernels.transpose(words, n),
             kernels.transpose(boundary, n), node_mem, node_time)
     return Table(words=words, sets=sets)
@@ -257,7 +257,7 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
     _check_mode(mode, strategy)
     counted = dp_view(graph, memory_model)
     table = prepare(counted, words)
-    param_grads = sum(graph.param_bytes)  # simulate adds these; the DP's budget leaves them out
+    param_grads = sum(graph.profile.param_bytes)  # simulate adds these; the DP's budget leaves them out
     upper = None if upper_bytes is None else upper_bytes - param_grads
 
     def plan_within(budget: float) -> Plan | None:
@@ -299,7 +299,7 @@ def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode
     # Kusumoto et al.'s count is another proxy, for the minimal plan; a budget the minimal plan so far meets is
     # searched from that plan, which fits, and needs no other
     paper = None
-    if (counted is not graph or graph.loss_bytes) and (budget_bytes is None or peak > budget_bytes):
+    if (counted is not graph or graph.profile.loss_bytes) and (budget_bytes is None or peak > budget_bytes):
         paper = solve_family(graph, words, None, mode, strategy, memory_model="paper", check=check, deadline=deadline)
     if mode == "mc" and memory_model == "traced" and (budget_bytes is None or peak > budget_bytes):
         # NOTE [the least replay]

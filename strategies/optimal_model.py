@@ -143,11 +143,11 @@ class _Relaxation:
         n = len(graph)
         self.readers = readers = [[] for _ in range(n)]  # the backwards that run and read each value
         for w in range(n):
-            if graph.reached[w]:
-                for u in graph.backward_reads[w]:
+            if graph.profile.reached[w]:
+                for u in graph.profile.backward_reads[w]:
                     readers[u].append(w)
-        self.read = [u for u in range(n) if (readers[u] or u in graph.loss_reads) and graph.mem_bytes[u]]
-        wanted = set(self.read) | {u for u in range(n) if graph.reached[u] and graph.saves_more(u)}
+        self.read = [u for u in range(n) if (readers[u] or u in graph.profile.loss_reads) and graph.mem_bytes[u]]
+        wanted = set(self.read) | {u for u in range(n) if graph.profile.reached[u] and graph.saves_more(u)}
         self.recomputed = recomputed = [model.new_bool_var("") for _ in range(n)]
         for u in wanted:
             clause([recomputed[u], kept[u]])
@@ -166,16 +166,16 @@ class _Relaxation:
         """Which backwards recompute their stage, what each holds, and each layer's moments (``_moments``)."""
         graph, model, clause, kept = self.graph, self.model, self._clause, self.kept
         n = len(graph)
-        self.params = [(v, graph.param_bytes[v]) for v in range(n)  # released ones count for nothing (``_moments``)
-                       if graph.reached[v] and graph.param_bytes[v] and not graph.param_grads_released]
-        self.extras = [u for u in range(n) if graph.reached[u] and graph.saved_extra_bytes[u]]
+        self.params = [(v, graph.profile.param_bytes[v]) for v in range(n)  # released ones count for nothing (``_moments``)
+                       if graph.profile.reached[v] and graph.profile.param_bytes[v] and not graph.profile.param_grads_released]
+        self.extras = [u for u in range(n) if graph.profile.reached[u] and graph.profile.saved_extra_bytes[u]]
         # calls[w]: w's backward recomputes its stage (it reads a discarded value, or its layer's extras are).
-        users = [name for names in graph.shared_state for name in names]
+        users = [name for names in graph.profile.shared_state for name in names]
         self.in_order = len(users) == len(set(users))  # each stage runs in node order (replay.forward_order)
         self.calls = calls = [model.new_bool_var("") for _ in range(n)]
         for w in range(n):
-            reads = list(graph.backward_reads[w]) if graph.reached[w] else []
-            if graph.reached[w] and graph.saves_more(w):
+            reads = list(graph.profile.backward_reads[w]) if graph.profile.reached[w] else []
+            if graph.profile.reached[w] and graph.saves_more(w):
                 reads.append(w)
             for u in reads:
                 clause([calls[w], kept[u]])
@@ -183,8 +183,8 @@ class _Relaxation:
         for u in members_of(nothing_reads(graph)):
             model.Add(kept[u] == 1)  # kept or not, the same step
         self.own_gradient = own_gradient = [
-            {u: graph.reached[u] and u not in graph.preds_without_grad[x]
-             and not any(u in shared for shared, _ in graph.grad_shares[x]) for u in graph.preds[x]}
+            {u: graph.profile.reached[u] and u not in graph.profile.preds_without_grad[x]
+             and not any(u in shared for shared, _ in graph.profile.grad_shares[x]) for u in graph.preds[x]}
             for x in range(n)]
         # per value, the layers whose backward gives it a gradient buffer of its own; per node, the later layers
         # whose backward runs and reaches it (its reached descendants): bitsets, for ``_moments``
@@ -193,12 +193,12 @@ class _Relaxation:
             for u, own in own_gradient[x].items():
                 if own:
                     self.givers[u] |= 1 << x
-        reached = sum(1 << x for x in range(n) if graph.reached[x])
+        reached = sum(1 << x for x in range(n) if graph.profile.reached[x])
         self.ran = [mask & reached for mask in self.below]
         self.holding: set[int] = set()  # layers whose moments also count what a recomputation will read
         self.to_come: dict[int, list] = {}  # stage -> its ``to_come`` literals (``_stage``), in the model with stages
         for v in range(n):
-            if graph.reached[v]:
+            if graph.profile.reached[v]:
                 if v % 64 == 0:
                     self._on_time()
                 for moment in self._moments(v)[0]:
@@ -209,13 +209,13 @@ class _Relaxation:
         (recomputed first where discarded), every kept layer's extras, and the loss's gradients and working
         buffers."""
         graph, model, clause, kept = self.graph, self.model, self._clause, self.kept
-        size, extra = graph.mem_bytes, graph.saved_extra_bytes
-        turn = [size[u] if u in graph.loss_reads else size[u] * kept[u] for u in self.read]
+        size, extra = graph.mem_bytes, graph.profile.saved_extra_bytes
+        turn = [size[u] if u in graph.profile.loss_reads else size[u] * kept[u] for u in self.read]
         turn += [extra[u] * kept[u] for u in self.extras]
         # Where the loss's backward reads no discarded value, no stage is recomputed yet: a kept value that no
         # backward reads is held for the recomputation that reads it (GPT-2's attention inputs, their q, k, v
         # discarded).
-        self.loss_discards = [_not(kept[u]) for u in graph.loss_reads]
+        self.loss_discards = [_not(kept[u]) for u in graph.profile.loss_reads]
         # each may be held for a recomputation
         self.waiting = [u for u in range(len(graph)) if size[u] and graph.succs[u]]
         for u in set(self.waiting) - set(self.read):
@@ -223,15 +223,15 @@ class _Relaxation:
             for s in graph.succs[u]:
                 clause([waits, _not(kept[u]), _not(self.recomputed[s])] + self.loss_discards)
             turn.append(size[u] * waits)
-        made = sum(graph.loss_grad_bytes[v] for v in graph.outputs if graph.reached[v]) + graph.loss_bytes
-        self._at_most(sum(turn) + made + graph.loss_held_bytes)
-        self.value_grads = [(u, x) for x in range(len(graph)) if graph.reached[x]
+        made = sum(graph.profile.loss_grad_bytes[v] for v in graph.outputs if graph.profile.reached[v]) + graph.profile.loss_bytes
+        self._at_most(sum(turn) + made + graph.profile.loss_held_bytes)
+        self.value_grads = [(u, x) for x in range(len(graph)) if graph.profile.reached[x]
                             for u, own in self.own_gradient[x].items() if own and size[u]]
 
     def _stage(self, i: int) -> None:
         """The moments of stage ``i``'s backward: as its recomputation ends, and as its last backward is done."""
         graph, model, clause, kept, ge = self.graph, self.model, self._clause, self.kept, self.ge
-        n, size, extra, held = len(graph), graph.mem_bytes, graph.saved_extra_bytes, graph.loss_held_bytes
+        n, size, extra, held = len(graph), graph.mem_bytes, graph.profile.saved_extra_bytes, graph.profile.loss_held_bytes
         readers, in_order, calls = self.readers, self.in_order, self.calls
         self._on_time()
         grads = sum(p * ge[v][i + 1] for v, p in self.params)  # parameter gradients of later stages
@@ -332,16 +332,16 @@ class _Relaxation:
         reads is there only if kept, its own value aside); then, as it makes its gradients, its measured peak,
         v's value gone if they read it last."""
         graph, kept, readers = self.graph, self.kept, self.readers
-        size, extra, held = graph.mem_bytes, graph.saved_extra_bytes, graph.loss_held_bytes
+        size, extra, held = graph.mem_bytes, graph.profile.saved_extra_bytes, graph.profile.loss_held_bytes
         before = graph.ancestor_mask[v]  # v and its ancestors
         values = {u: size[u] if v in readers[u] else size[u] * kept[u]
                   for u in self.read if any(before >> w & 1 for w in readers[u])}
         counted = set(values)
         live = [extra[u] if u == v else extra[u] * kept[u] for u in self.extras if before >> u & 1]
         ran = self.ran[v]
-        # parameter gradients released as their backward ends (``Graph.param_grads_released``) count for nothing:
+        # parameter gradients released as their backward ends (``Profile.param_grads_released``) count for nothing:
         # the relaxation stays below the replay
-        made = 0 if graph.param_grads_released else sum(graph.param_bytes[x] for x in members_of(ran))
+        made = 0 if graph.profile.param_grads_released else sum(graph.profile.param_bytes[x] for x in members_of(ran))
         made += sum(size[u] for u in members_of(before) if self.givers[u] & ran)
         moments = [sum(values.values()) + sum(live) + made + held]
         during, members_first = backward_holds(graph, v)
@@ -559,8 +559,8 @@ def nothing_reads(graph: Graph) -> int:
     """The values no layer, no backward and not the loss reads, and whose layers saved nothing else: a plan
     that keeps one runs the same step as one that does not; the model keeps them."""
     read = graph.read_by_backward()
-    return bits(u for u in range(len(graph)) if not graph.succs[u] and u not in read and u not in graph.loss_reads
-                and not (graph.reached[u] and graph.saves_more(u)))
+    return bits(u for u in range(len(graph)) if not graph.succs[u] and u not in read and u not in graph.profile.loss_reads
+                and not (graph.profile.reached[u] and graph.saves_more(u)))
 
 
 def _not(literal):

@@ -74,9 +74,9 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
                    readers=[[] for _ in range(2 * n)], recompute_stages=[])  # both filled here, below
     copy, readers, recompute_stages = facts.copy, facts.readers, facts.recompute_stages
     for v in range(n):
-        for u in graph.backward_reads[v] if graph.reached[v] else ():
+        for u in graph.profile.backward_reads[v] if graph.profile.reached[v] else ():
             readers[copy(u, v)].append(v)
-    for u in graph.loss_reads:
+    for u in graph.profile.loss_reads:
         readers[u].append(-1)  # the loss's backward, at the turn
     needed = called_for(graph, plan) | {stage_of[u] for u in members(rebuilt)
                                         if readers[u] or readers[u + n] or graph.saves_more(u)}
@@ -91,7 +91,7 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
     # recomputation or, where its stage is not recomputed, to the end of the forward pass; none where no
     # recomputation will make it.
     remade = discarded & ~in_checkpoint & ~graph.never_recomputed()
-    found = {v for v in members(remade) if graph.recompute_state_bytes[v]}
+    found = {v for v in members(remade) if graph.profile.recompute_state_bytes[v]}
     # The executor holds the kept values an output's stage starts from to the end of the forward pass: only
     # the loss's saves tell whether its backward reads an output (a step may run another loss than the trace).
     ends = {stage_of[v] for v in graph.outputs} - needed
@@ -99,9 +99,9 @@ def timeline(graph: Graph, plan: Plan) -> list[Step]:
                and any(stage_of[w] in ends and (discarded & ~in_checkpoint) >> w & 1 for w in graph.succs[u])}
     # What the layers no gradient reaches saved goes at the loss's forward (NOTE [what no gradient reaches]
     # in harness/tracing/backward_profile.py): the kept values they read, and their extras.
-    for w in graph.unreached:
+    for w in graph.profile.unreached:
         if not in_checkpoint >> w & 1:
-            to_loss.update(u for u in graph.backward_reads[w] if (kept & ~plan.swapped) >> u & 1)
+            to_loss.update(u for u in graph.profile.backward_reads[w] if (kept & ~plan.swapped) >> u & 1)
     steps = _forward(graph, facts, found, sorted(v for v in found if stage_of[v] not in needed), to_loss)
     steps += _backward(graph, facts, _frame_holds(graph, plan, stage_of))
     return steps
@@ -161,10 +161,10 @@ def called_for(graph: Graph, plan: Plan) -> set[int]:
     module keeps). The executor recomputes no other stage, and holds no kept value for one (``timeline``
     adds the checkpointed stages' rebuilt values). A layer's empty extras (an eval-mode batch norm's saved
     statistics on the CPU) call for nothing: the executor leaves them saved."""
-    read = graph.read_by_backward() | set(graph.loss_reads)
+    read = graph.read_by_backward() | set(graph.profile.loss_reads)
     stage_of = plan.stage_of(len(graph))
     return {stage_of[u] for u in members(plan.recomputed)
-            if u in read or graph.reached[u] and graph.saves_more(u)}
+            if u in read or graph.profile.reached[u] and graph.saves_more(u)}
 
 
 def _frame_holds(graph: Graph, plan: Plan, stage_of: list[int]) -> dict[int, list[int]]:
@@ -196,9 +196,9 @@ def _rebuilt(graph: Graph, plan: Plan) -> tuple[int, int]:
 
 def _saving(graph: Graph, stage: int) -> list[int]:
     """The nodes of ``stage`` whose layers save a tensor for their backward."""
-    sharing = {u for sharers in graph.param_sharers for u in sharers}
+    sharing = {u for sharers in graph.profile.param_sharers for u in sharers}
     return [v for v in members(stage)
-            if graph.backward_reads[v] or graph.saved_extra_bytes[v] or graph.param_bytes[v] or v in sharing]
+            if graph.profile.backward_reads[v] or graph.profile.saved_extra_bytes[v] or graph.profile.param_bytes[v] or v in sharing]
 
 
 def _rerun_end(graph: Graph, stage: int) -> int:
@@ -208,7 +208,7 @@ def _rerun_end(graph: Graph, stage: int) -> int:
     last saving layer that saves nothing it makes does not run (a DenseNet layer's last convolution;
     counted as run, the replay charged DenseNet-161's blocks 1.67x the FLOPs they recompute)."""
     last = max(_saving(graph, stage), default=-1)
-    if last >= 0 and last not in graph.backward_reads[last] and not graph.saves_more(last):
+    if last >= 0 and last not in graph.profile.backward_reads[last] and not graph.saves_more(last):
         return last
     return last + 1
 
@@ -237,9 +237,9 @@ def _forward(graph: Graph, facts: _Facts, found: set[int], unread: list[int], to
         allocs = [((Buffer.VALUE, v), graph.mem_bytes[v])]
         frees = []
         if v in found:
-            allocs.append(((Buffer.STATE, v), graph.recompute_state_bytes[v]))
-        if graph.saved_extra_bytes[v]:
-            allocs.append(((Buffer.EXTRA, v), graph.saved_extra_bytes[v]))
+            allocs.append(((Buffer.STATE, v), graph.profile.recompute_state_bytes[v]))
+        if graph.profile.saved_extra_bytes[v]:
+            allocs.append(((Buffer.EXTRA, v), graph.profile.saved_extra_bytes[v]))
             if not saves >> v & 1:  # a recomputed layer's extras go now and come back with it
                 frees.append((Buffer.EXTRA, v))
         _transient(graph, v, allocs, frees, first=True)
@@ -252,9 +252,9 @@ def _forward(graph: Graph, facts: _Facts, found: set[int], unread: list[int], to
         steps += _call(graph, v, Phase.FORWARD, allocs, frees)
     # The loss's forward: the model returned its outputs, so all of them are here. Then they go, unless a
     # backward reads them (the loss's own among them: ``readers``).
-    loss = [((Buffer.LOSS_FORWARD, -1), graph.loss_forward_bytes)] if graph.loss_forward_bytes else []
+    loss = [((Buffer.LOSS_FORWARD, -1), graph.profile.loss_forward_bytes)] if graph.profile.loss_forward_bytes else []
     frees = [(Buffer.VALUE, v) for v in sorted(last) if not held(v)] + [(Buffer.STATE, v) for v in unread]
-    frees += [(Buffer.EXTRA, v) for v in graph.unreached if graph.saved_extra_bytes[v] and saves >> v & 1]
+    frees += [(Buffer.EXTRA, v) for v in graph.profile.unreached if graph.profile.saved_extra_bytes[v] and saves >> v & 1]
     steps.append(Step(-1, Phase.FORWARD, tuple(loss), tuple(frees + [key for key, _ in loss])))
     return steps
 
@@ -268,7 +268,7 @@ def _backward(graph: Graph, facts: _Facts, frame_holds: dict[int, list[int]]) ->
     backward = _BackwardPass(graph, facts, frame_holds)
     backward.turn()
     for v in reversed(facts.order):
-        if graph.reached[v]:  # else its backward never runs
+        if graph.profile.reached[v]:  # else its backward never runs
             backward.layer(v)
     backward.steps.append(_end(graph, backward.gradients))
     return backward.steps
@@ -292,7 +292,7 @@ class _BackwardPass:
         self.backward_done: set[int] = set()
         self.never = graph.never_recomputed()
         self.extras_present = [bool(graph.saves_more(v) and (plan.kept & ~facts.in_checkpoint | plan.selective) >> v & 1
-                                    and graph.reached[v])
+                                    and graph.profile.reached[v])
                                for v in range(facts.n)]
 
     def fetch(self, trigger: int) -> list:
@@ -308,10 +308,10 @@ class _BackwardPass:
             made = plan.stages[s] & discarded
             if not plan.checkpointed >> s & 1:  # NOTE [what a recomputation makes]
                 wanted = bits(u for u in members(made) if readers_left[u]
-                              or graph.reached[u] and graph.saves_more(u) and u not in self.backward_done)
+                              or graph.profile.reached[u] and graph.saves_more(u) and u not in self.backward_done)
                 made = graph.with_inputs_within(wanted, made)
                 unmade = [u for u in members(plan.stages[s] & discarded & ~made & ~self.never)
-                          if graph.recompute_state_bytes[u]]
+                          if graph.profile.recompute_state_bytes[u]]
                 if unmade:  # the state their forward calls found goes
                     self.steps.append(Step(-1, Phase.RECOMPUTE, (), tuple((Buffer.STATE, u) for u in unmade)))
             nodes = members(made) + [u + n for u in members(plan.stages[s] & facts.rebuilt)]
@@ -321,25 +321,25 @@ class _BackwardPass:
             nodes.sort(key=lambda w: w % n)
             self.steps.extend(_recompute_stage(graph, facts, s, nodes, self.live))
             for w in nodes:
-                self.extras_present[w % n] = bool(graph.saves_more(w % n) and graph.reached[w % n])
+                self.extras_present[w % n] = bool(graph.saves_more(w % n) and graph.profile.reached[w % n])
 
     def turn(self) -> None:
         """The loss's backward. It reads the outputs it saved; one the plan discarded comes back with its stage, on
         top of the loss's value and the seed gradient ``backward`` made first."""
         graph, present = self.graph, self.live.present
         fetched = self.fetch(-1)
-        read_back = {self.facts.stage_of[u] for u in graph.loss_reads if not present[u]}
-        unpacking = graph.loss_unpack_bytes - graph.loss_held_bytes if read_back else 0
-        if read_back and (graph.loss_held_bytes or unpacking > 0):
-            held = [((Buffer.LOSS_HELD, -1), graph.loss_held_bytes)] if graph.loss_held_bytes else []
+        read_back = {self.facts.stage_of[u] for u in graph.profile.loss_reads if not present[u]}
+        unpacking = graph.profile.loss_unpack_bytes - graph.profile.loss_held_bytes if read_back else 0
+        if read_back and (graph.profile.loss_held_bytes or unpacking > 0):
+            held = [((Buffer.LOSS_HELD, -1), graph.profile.loss_held_bytes)] if graph.profile.loss_held_bytes else []
             held += [((Buffer.LOSS_UNPACKING, -1), unpacking)] if unpacking > 0 else []
             self.steps.append(Step(-1, Phase.BACKWARD, tuple(held), ()))
         self.recompute(read_back)
         if unpacking > 0:
             self.steps.append(Step(-1, Phase.BACKWARD, (), ((Buffer.LOSS_UNPACKING, -1),)))
-        turn = _turn(graph, self.gradients, fetched, loss_held=not (read_back and graph.loss_held_bytes))
+        turn = _turn(graph, self.gradients, fetched, loss_held=not (read_back and graph.profile.loss_held_bytes))
         frees = list(turn.frees)
-        for u in graph.loss_reads:
+        for u in graph.profile.loss_reads:
             self.live.read(u, frees)
         self.steps.append(dataclasses.replace(turn, frees=tuple(frees)))
 
@@ -350,7 +350,7 @@ class _BackwardPass:
         fetched = self.fetch(v)
         if fetched:
             steps.append(Step(v, Phase.SWAP_IN, tuple(fetched), ()))
-        reads = [copy(u, v) for u in graph.backward_reads[v]]
+        reads = [copy(u, v) for u in graph.profile.backward_reads[v]]
         own = copy(v, v)  # the value v's in-place members read
         work = _working(graph, v)
         if own in reads and not present[own]:
@@ -367,7 +367,7 @@ class _BackwardPass:
             # between other autograd nodes (an attention) makes them after it reads what it saved, and so
             # after its recomputation: below, beside its other gradients.
             # In-place members that hand a gradient on (``out += identity`` after a batch norm, then a
-            # ReLU) make it here too (``Graph.early_grads``), before the rest of the layer reads its inputs.
+            # ReLU) make it here too (``Profile.early_grads``), before the rest of the layer reads its inputs.
             reads = [u for u in reads if u != own]
             made, early, held = self.gradients.in_place_members(v, work)
             live.read(own, early)
@@ -405,7 +405,7 @@ class _BackwardPass:
         if work:
             frees.append((Buffer.WORK, v))
         if self.extras_present[v]:
-            frees += [(Buffer.EXTRA, v)] if graph.saved_extra_bytes[v] else []
+            frees += [(Buffer.EXTRA, v)] if graph.profile.saved_extra_bytes[v] else []
             self.extras_present[v] = False
         self.steps.append(Step(v, Phase.BACKWARD, tuple(allocs), tuple(frees)))
         self.backward_done.add(v)
@@ -414,12 +414,12 @@ class _BackwardPass:
 def forward_order(graph: Graph, stage_of: list[int]) -> list[int]:
     """The nodes in the order the executor's forward pass runs them: stage by stage, in program order within
     a stage, except that a node never runs before an earlier one that uses the same state
-    (``Graph.shared_state``): it goes with the later stage, and so does what reads it."""
+    (``Profile.shared_state``): it goes with the later stage, and so does what reads it."""
     key, last_use = [], {}
     for v in range(len(graph)):
         k = max([(stage_of[v], v)] + [key[u] for u in graph.preds[v]])
-        k = max([k] + [last_use[name] for name in graph.shared_state[v] if name in last_use])
-        last_use.update(dict.fromkeys(graph.shared_state[v], k))
+        k = max([k] + [last_use[name] for name in graph.profile.shared_state[v] if name in last_use])
+        last_use.update(dict.fromkeys(graph.profile.shared_state[v], k))
         key.append(k)
     return sorted(range(len(graph)), key=lambda v: (key[v], v))
 
@@ -450,13 +450,13 @@ def _recompute_stage(graph: Graph, facts: _Facts, s: int, nodes: list[int], live
         if in_stage_uses[w] == 0:
             release_if_done(w, frees)
         allocs = [(_key(w, n), graph.mem_bytes[o])]
-        if graph.saved_extra_bytes[o]:
-            allocs.append(((Buffer.EXTRA, o), graph.saved_extra_bytes[o]))
-            if not graph.reached[o]:  # it reruns with autograd off, and what it would save goes at once
+        if graph.profile.saved_extra_bytes[o]:
+            allocs.append(((Buffer.EXTRA, o), graph.profile.saved_extra_bytes[o]))
+            if not graph.profile.reached[o]:  # it reruns with autograd off, and what it would save goes at once
                 frees.append((Buffer.EXTRA, o))
-        if graph.recompute_state_bytes[o]:  # the state as its forward found it, put back after the call
+        if graph.profile.recompute_state_bytes[o]:  # the state as its forward found it, put back after the call
             if checkpointed:  # ``batchnorm_once``'s copies, made now
-                allocs.append(((Buffer.STATE, o), graph.recompute_state_bytes[o]))
+                allocs.append(((Buffer.STATE, o), graph.profile.recompute_state_bytes[o]))
             frees.append((Buffer.STATE, o))
         _transient(graph, o, allocs, frees, first=False)
         steps += _attribute_again(graph, o)

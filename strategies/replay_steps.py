@@ -7,7 +7,7 @@ everything the layer saved and its working gradients. A layer of one autograd no
 just that. A layer of many (an attention: projections, two matmuls, a softmax, in one module) does not:
 each node frees what it saved as it finishes, and the last gradients come when most of the saved tensors
 are gone (ViT-B/16's attention holds 629 MB of saved tensors at batch 64; held to the end, the replay
-over-predicted the DPs' plans by 7%). ``Graph.backward_peak_bytes[v]``, measured per layer in a plain
+over-predicted the DPs' plans by 7%). ``Profile.backward_peak_bytes[v]``, measured per layer in a plain
 step on meta when the graph is traced, is the most the layer's backward holds above what was live as it
 began, forward values aside. The replay's step carries an entry, ``measured``, that brings it to the
 measured peak and goes with the step: negative where the step holds more than that, positive where the
@@ -18,7 +18,7 @@ to the step's end; but a layer's backward may free one on the way, before its pe
 normalised convolution frees its saved input when its own backward is done, and the backward of the
 weight's normalisation comes after (held, the input put an SN-GAN discriminator's replay 1.4% above the
 tracker). So the trace also notes the values each layer's backward freed and its peak with them going as
-they went (``Graph.backward_frees``), and a step that releases all of them takes that peak. The layer's
+they went (``Profile.backward_frees``), and a step that releases all of them takes that peak. The layer's
 working gradients never count for more than that peak either (``_working``), and they come before the
 layer's recomputation only when in-place members make them, reading the layer's own value (a ReLU after a
 convolution); an attention makes them after it reads what it saved, that is after its recomputation. On
@@ -26,7 +26,7 @@ the seven CNNs no step changes; on the transformers the replay now gives the tra
 A layer's backward may also run a while before it unpacks the tensor that calls for its recomputation: a
 weight-normalised linear layer's product makes its weight's gradient, then the normalisation's backward
 unpacks its norms. The recomputation runs on top of what the layer holds by then, which the trace notes at
-the first unpack of each value (``Graph.unpack_held_bytes``; an ``unpacking`` entry held over the
+the first unpack of each value (``Profile.unpack_held_bytes``; an ``unpacking`` entry held over the
 recomputation). Replayed at the start of the layer's backward, such a net was predicted 2% low.
 """
 
@@ -53,7 +53,7 @@ class Buffer(str, Enum):
     VALUE = "value"  # a node's value
     COPY = "copy"  # the rebuilt copy of a kept value, inside its checkpointed stage
     GRAD = "grad"  # a value's gradient, made by its reader's backward (key: u, the reader)
-    SHARED = "shared"  # a gradient a backward hands several inputs at once (Graph.grad_shares)
+    SHARED = "shared"  # a gradient a backward hands several inputs at once (Profile.grad_shares)
     SUM = "sum"  # a new buffer a second gradient is summed into
     EXTRA = "extra"  # what a layer saves besides node values
     STATE = "state"  # the state a recomputed layer's forward found, copied for its recomputation
@@ -112,7 +112,7 @@ def peak_layer(steps: list[Step]) -> int | None:
 
 class _Gradients:
     """Which buffer holds each node's gradient in the backward pass, as the autograd engine hands them on
-    (``Graph.grad_shares``) and sums them (``InputBuffer``'s ``accumulate``): a node's first gradient is
+    (``Profile.grad_shares``) and sums them (``InputBuffer``'s ``accumulate``): a node's first gradient is
     the buffer it was handed; a later one is summed in place into the buffer it has when no other node's
     gradient shares that buffer and it is the gradient's size (the contribution, if new, lives only for the
     sum), else into the new contribution (after a view of the loss's seed, too), else into a new buffer. A
@@ -124,8 +124,8 @@ class _Gradients:
         self.holders: dict[tuple, int] = {}  # buffer key -> how many nodes' gradients it holds
         self.size: dict[tuple, int] = {}  # buffer key -> bytes
         # node -> the nodes whose parameters' gradients its backward makes, if it is the first of their readers
-        self.param_owners = [[v] if graph.param_bytes[v] else [] for v in range(len(graph))]
-        for v, sharers in enumerate(graph.param_sharers):
+        self.param_owners = [[v] if graph.profile.param_bytes[v] else [] for v in range(len(graph))]
+        for v, sharers in enumerate(graph.profile.param_sharers):
             for u in sharers:
                 self.param_owners[u].append(v)
         self.params_made: set[int] = set()
@@ -136,17 +136,17 @@ class _Gradients:
 
     def params(self, v: int, frees: list) -> list:
         """The parameter gradients the backward of ``v`` makes: those of the parameters no backward has
-        reached yet (``Graph.param_sharers``); they stay to the step's end, or go as that backward ends
-        (``Graph.param_grads_released``: into ``frees``; a shared parameter's once the backward of its last
+        reached yet (``Profile.param_sharers``); they stay to the step's end, or go as that backward ends
+        (``Profile.param_grads_released``: into ``frees``; a shared parameter's once the backward of its last
         reader is done, since autograd sums the contributions before it accumulates the gradient)."""
         owners = [u for u in self.param_owners[v] if u not in self.params_made]
         self.params_made.update(owners)
-        if self.graph.param_grads_released:
+        if self.graph.profile.param_grads_released:
             for u in self.param_owners[v]:
                 self.readers_left[u] -= 1
                 if not self.readers_left[u]:
                     frees.append((Buffer.PARAM_GRAD, u))
-        return [((Buffer.PARAM_GRAD, u), self.graph.param_bytes[u]) for u in owners]
+        return [((Buffer.PARAM_GRAD, u), self.graph.profile.param_bytes[u]) for u in owners]
 
     def hold(self, u: int, key: tuple, size: int | None = None):
         if size is not None:
@@ -164,9 +164,9 @@ class _Gradients:
 
     def in_place_members(self, v: int, work: int) -> tuple[list, list, int]:
         """The first backward step of ``v``'s in-place members (``_in_place_first``): the gradients they
-        hand on (``Graph.early_grads``) and their working ones, then what they free (the gradient received);
+        hand on (``Profile.early_grads``) and their working ones, then what they free (the gradient received);
         and what they hold as the rest of the layer's backward starts, above what was live as it began."""
-        handed, frees = self.backward(v, self.graph.early_grads[v])
+        handed, frees = self.backward(v, self.graph.profile.early_grads[v])
         held = work + sum(size for _, size in handed) - sum(self.size[key] for key in frees)
         return handed + ([((Buffer.WORK, v), work)] if work else []), frees, held
 
@@ -176,7 +176,7 @@ class _Gradients:
         every contribution summed away)."""
         graph = self.graph
         handed = {}  # predecessor -> (buffer key, bytes; -1: v's own gradient's buffer)
-        for i, (preds, size) in enumerate(graph.grad_shares[v]):
+        for i, (preds, size) in enumerate(graph.profile.grad_shares[v]):
             if size < 0 and v not in self.buffer_of:  # the received gradient went to work already
                 continue
             key = self.buffer_of[v] if size < 0 else (Buffer.SHARED, v, i)
@@ -191,7 +191,7 @@ class _Gradients:
 
         frees = []
         for u in graph.preds[v] if only is None else only:
-            if not graph.reached[u] or u in graph.preds_without_grad[v]:  # it takes no gradient (from v)
+            if not graph.profile.reached[u] or u in graph.profile.preds_without_grad[v]:  # it takes no gradient (from v)
                 continue
             key, size = handed.get(u, ((Buffer.GRAD, u, v), graph.mem_bytes[u]))
             old = self.buffer_of.get(u)
@@ -217,12 +217,12 @@ class _Gradients:
 def _in_place_first(graph: Graph, v: int, work: int) -> bool:
     """Whether ``v``'s in-place members run their backward as a step of its own, before the rest of the
     layer's: they read ``v``'s value and make working gradients or hand gradients on."""
-    return bool(work or graph.early_grads[v]) and v in graph.backward_reads[v]
+    return bool(work or graph.profile.early_grads[v]) and v in graph.profile.backward_reads[v]
 
 
 def _after_members(graph: Graph, v: int) -> list[int]:
     """The predecessors whose gradients the rest of ``v``'s layer makes, after its in-place members."""
-    return [u for u in graph.preds[v] if u not in graph.early_grads[v]]
+    return [u for u in graph.preds[v] if u not in graph.profile.early_grads[v]]
 
 
 def backward_holds(graph: Graph, v: int) -> tuple[int, int | None]:
@@ -232,18 +232,18 @@ def backward_holds(graph: Graph, v: int) -> tuple[int, int | None]:
     may read ``v``'s value last), their working gradients, else None."""
     work = _working(graph, v)
     first = work if _in_place_first(graph, v, work) else None
-    if graph.backward_peak_bytes is None:
+    if graph.profile.backward_peak_bytes is None:
         return 0, first
-    peak = graph.backward_peak_bytes[v]
-    if graph.backward_frees is not None and graph.backward_frees[v][0]:
-        peak = min(peak, graph.backward_frees[v][1])
+    peak = graph.profile.backward_peak_bytes[v]
+    if graph.profile.backward_frees is not None and graph.profile.backward_frees[v][0]:
+        peak = min(peak, graph.profile.backward_frees[v][1])
     return max(peak, 0), first
 
 
 def _working(graph: Graph, v: int) -> int:
     """The working gradients of ``v``'s in-place members (NOTE [a layer's backward peak])."""
-    peaks = graph.backward_peak_bytes
-    return graph.backward_work_bytes[v] if peaks is None else min(graph.backward_work_bytes[v], peaks[v])
+    peaks = graph.profile.backward_peak_bytes
+    return graph.profile.backward_work_bytes[v] if peaks is None else min(graph.profile.backward_work_bytes[v], peaks[v])
 
 
 def _to_measured_peak(graph: Graph, v: int, held: int, frees: list, released: set[int]) -> list:
@@ -253,12 +253,12 @@ def _to_measured_peak(graph: Graph, v: int, held: int, frees: list, released: se
     the whole product before it sums it down to a broadcast scalar's gradient); ``held`` is what the
     replay's backward of ``v`` holds then above what was live as it began, values aside. Where the step
     releases every value the layer's backward freed as it ran (``released``), the peak is the one with
-    them going as they went (``Graph.backward_frees``)."""
-    if graph.backward_peak_bytes is None:
+    them going as they went (``Profile.backward_frees``)."""
+    if graph.profile.backward_peak_bytes is None:
         return []
-    peak = graph.backward_peak_bytes[v]
-    if graph.backward_frees is not None:
-        freed, freeing_peak = graph.backward_frees[v]
+    peak = graph.profile.backward_peak_bytes[v]
+    if graph.profile.backward_frees is not None:
+        freed, freeing_peak = graph.profile.backward_frees[v]
         if freed and released.issuperset(freed):
             peak = freeing_peak
     if held == peak:
@@ -269,8 +269,8 @@ def _to_measured_peak(graph: Graph, v: int, held: int, frees: list, released: se
 
 def _held_at_unpack(graph: Graph, v: int, missing) -> int:
     """What the backward of ``v``'s layer holds, above what was live as it began, when it first unpacks
-    a value for which ``missing`` is true (``Graph.unpack_held_bytes``; 0 where not measured)."""
-    for u, held in graph.unpack_held_bytes[v] if graph.unpack_held_bytes is not None else ():
+    a value for which ``missing`` is true (``Profile.unpack_held_bytes``; 0 where not measured)."""
+    for u, held in graph.profile.unpack_held_bytes[v] if graph.profile.unpack_held_bytes is not None else ():
         if missing(u):
             return held
     return 0
@@ -278,8 +278,8 @@ def _held_at_unpack(graph: Graph, v: int, missing) -> int:
 
 def _call(graph: Graph, v: int, phase: str, allocs: list, frees: list) -> list[Step]:
     """A call of ``v``'s layer: its allocations, then its frees; in two steps where its extras come after
-    the values that go at it have gone (``Graph.extras_after_reads``)."""
-    if not (graph.extras_after_reads and graph.extras_after_reads[v]):
+    the values that go at it have gone (``Profile.extras_after_reads``)."""
+    if not (graph.profile.extras_after_reads and graph.profile.extras_after_reads[v]):
         return [Step(v, phase, tuple(allocs), tuple(frees))]
     extra = [alloc for alloc in allocs if alloc[0] == (Buffer.EXTRA, v)]
     inputs_gone = [key for key in frees if key[0] in (Buffer.VALUE, Buffer.COPY) and key[1] != v]
@@ -288,47 +288,47 @@ def _call(graph: Graph, v: int, phase: str, allocs: list, frees: list) -> list[S
 
 
 def _transient(graph: Graph, v: int, allocs: list, frees: list, first: bool):
-    """What a call of ``v``'s layer holds while it runs above what it leaves (``Graph.forward_transient_bytes``):
-    gone by the step's end; and what it leaves on a module (``Graph.attribute_bytes``), from its ``first``
+    """What a call of ``v``'s layer holds while it runs above what it leaves (``Profile.forward_transient_bytes``):
+    gone by the step's end; and what it leaves on a module (``Profile.attribute_bytes``), from its ``first``
     call to the step's end (a later call's is ``_attribute_again``)."""
-    if graph.forward_transient_bytes is not None and graph.forward_transient_bytes[v]:
-        allocs.append(((Buffer.TRANSIENT, v), graph.forward_transient_bytes[v]))
+    if graph.profile.forward_transient_bytes is not None and graph.profile.forward_transient_bytes[v]:
+        allocs.append(((Buffer.TRANSIENT, v), graph.profile.forward_transient_bytes[v]))
         frees.append((Buffer.TRANSIENT, v))
-    if graph.attribute_bytes[v] and first:
-        allocs.append(((Buffer.ATTRIBUTE, v), graph.attribute_bytes[v]))
+    if graph.profile.attribute_bytes[v] and first:
+        allocs.append(((Buffer.ATTRIBUTE, v), graph.profile.attribute_bytes[v]))
 
 
 def _attribute_again(graph: Graph, v: int) -> list[Step]:
     """Before a later call of ``v``'s layer runs, its pre-hook makes the module's attribute again, and
     setting it frees the one before (NOTE [tensors a module keeps] in ``harness/tracing/probe.py``): both are
     there for that moment alone, before the layer allocates anything."""
-    if not graph.attribute_bytes[v]:
+    if not graph.profile.attribute_bytes[v]:
         return []
     key = (Buffer.ATTRIBUTE_AGAIN, v)
-    return [Step(v, Phase.RECOMPUTE, ((key, graph.attribute_bytes[v]),), (key,), call=False)]
+    return [Step(v, Phase.RECOMPUTE, ((key, graph.profile.attribute_bytes[v]),), (key,), call=False)]
 
 
 def _turn(graph: Graph, gradients: "_Gradients", fetched=(), loss_held: bool = True) -> Step:
     """From forward to backward: the swapped values fetched at once, the loss's buffers and the loss's
     gradients with respect to the outputs come; the loss's working buffers go, its value stays
     (``loss_held``: it comes here, not before)."""
-    outputs = [v for v in graph.outputs if graph.reached[v]]  # the others take no gradient
+    outputs = [v for v in graph.outputs if graph.profile.reached[v]]  # the others take no gradient
     for v in outputs:
-        gradients.hold(v, (Buffer.GRAD, v), graph.loss_grad_bytes[v])
-    allocs = [*fetched, *(((Buffer.GRAD, v), graph.loss_grad_bytes[v]) for v in outputs)]
-    allocs += [((Buffer.LOSS, -1), graph.loss_bytes)] if graph.loss_bytes else []
-    allocs += [((Buffer.LOSS_HELD, -1), graph.loss_held_bytes)] if graph.loss_held_bytes and loss_held else []
-    return Step(-1, Phase.BACKWARD, tuple(allocs), ((Buffer.LOSS, -1),) if graph.loss_bytes else ())
+        gradients.hold(v, (Buffer.GRAD, v), graph.profile.loss_grad_bytes[v])
+    allocs = [*fetched, *(((Buffer.GRAD, v), graph.profile.loss_grad_bytes[v]) for v in outputs)]
+    allocs += [((Buffer.LOSS, -1), graph.profile.loss_bytes)] if graph.profile.loss_bytes else []
+    allocs += [((Buffer.LOSS_HELD, -1), graph.profile.loss_held_bytes)] if graph.profile.loss_held_bytes and loss_held else []
+    return Step(-1, Phase.BACKWARD, tuple(allocs), ((Buffer.LOSS, -1),) if graph.profile.loss_bytes else ())
 
 
 def _end(graph: Graph, gradients: "_Gradients") -> Step:
     """Parameter gradients outlive the step (the optimizer reads them), as do the loss's value and what
-    modules keep (``Graph.attribute_bytes``): freed at the end for the tally."""
-    kept = sorted(u for u in gradients.params_made if not graph.param_grads_released or gradients.readers_left[u])
+    modules keep (``Profile.attribute_bytes``): freed at the end for the tally."""
+    kept = sorted(u for u in gradients.params_made if not graph.profile.param_grads_released or gradients.readers_left[u])
     return Step(-1, Phase.BACKWARD, (), tuple([*((Buffer.PARAM_GRAD, u) for u in kept),
                                           *((Buffer.ATTRIBUTE, v) for v in range(len(graph))
-                                            if graph.attribute_bytes[v]),
-                                          *([(Buffer.LOSS_HELD, -1)] if graph.loss_held_bytes else [])]))
+                                            if graph.profile.attribute_bytes[v]),
+                                          *([(Buffer.LOSS_HELD, -1)] if graph.profile.loss_held_bytes else [])]))
 
 
 def _key(u: int, n: int) -> tuple:

@@ -3,7 +3,7 @@ graph of 2n nodes, a schedule as the matrices R and S over it, and its memory by
 
 The training graph of an IR ``Graph`` with n nodes: node ``v < n`` is the forward of IR node ``v``; node
 ``backward_node(n, v) = 2n - 1 - v`` is the backward of IR node ``v``, which reads the gradients its
-successors' backwards produced, the forward values ``graph.backward_reads[v]`` (and, for an output, its
+successors' backwards produced, the forward values ``graph.profile.backward_reads[v]`` (and, for an output, its
 value, which the loss reads), and produces the gradients of its inputs: ``sum(mem_bytes[u] for u in
 preds[v])`` bytes. Index order is a topological order: the forward in node order, then the backward in
 reverse.
@@ -47,7 +47,7 @@ def training_graph(graph: Graph, loss_reads_outputs: bool = True) -> TrainingGra
     cost = list(graph.cost) + [0.0] * n
     for v in range(n):
         b = backward_node(n, v)
-        reads = graph.backward_reads[v] if graph.reached[v] else ()  # an unreached backward reads nothing
+        reads = graph.profile.backward_reads[v] if graph.profile.reached[v] else ()  # an unreached backward reads nothing
         deps[b] |= {backward_node(n, w) for w in graph.succs[v]} | set(reads)
         if not graph.succs[v] and loss_reads_outputs:
             deps[b].add(v)  # the loss reads the output
@@ -123,14 +123,14 @@ def from_plan(graph: Graph, plan: Plan, loss_reads_outputs: bool = True) -> tupl
     recomputed_stages: set[int] = set()
     for t in range(n, size):
         v = backward_node(n, t)  # its backward needs the record of a computation: a recomputed one's extras
-        needs = [*tg.deps[t], *([v] if graph.saves_more(v) and graph.reached[v] else [])]
+        needs = [*tg.deps[t], *([v] if graph.saves_more(v) and graph.profile.reached[v] else [])]
         for u in needs:
             if u < n and discarded >> u & 1 and stage_of[u] not in recomputed_stages:
                 recomputed_stages.add(stage_of[u])
                 # what the rest of the backward reads (NOTE [what a recomputation makes] in strategies/replay.py)
                 stage = plan.stages[stage_of[u]] & discarded
                 wanted = sum(1 << w for w in members(stage) if any(k >= t for k in tg.users[w])
-                             or graph.saves_more(w) and graph.reached[w] and backward_node(n, w) >= t)
+                             or graph.saves_more(w) and graph.profile.reached[w] and backward_node(n, w) >= t)
                 computed[t] |= graph.with_inputs_within(wanted, stage)
     return tuple(computed), hold_until_last_use(tg, computed)
 

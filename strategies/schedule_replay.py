@@ -63,7 +63,7 @@ class _ScheduleReplay:
         self.steps: list[Step] = []
         # here until the loss's forward: the model returns them, as is what the layers no gradient reaches saved
         # (NOTE [what no gradient reaches] in harness/tracing/backward_profile.py)
-        self.unreached_reads = sum(1 << u for w in graph.unreached for u in graph.backward_reads[w]
+        self.unreached_reads = sum(1 << u for w in graph.profile.unreached for u in graph.profile.backward_reads[w]
                                    if not discarded >> u & 1)
         self.outputs = sum(1 << v for v in graph.outputs) | self.unreached_reads
 
@@ -78,7 +78,7 @@ class _ScheduleReplay:
             self.loss(row)
         v = schedule.backward_node(n, t) if t >= n else -1
         work = _working(graph, v) if v >= 0 else 0
-        in_place_first = v >= 0 and graph.reached[v] and _in_place_first(graph, v, work)
+        in_place_first = v >= 0 and graph.profile.reached[v] and _in_place_first(graph, v, work)
         in_place_done = not in_place_first
         self.held_by_members = 0  # what the in-place members hold when the rest of the layer's backward starts
         if not in_place_done and self.present >> v & 1:
@@ -87,7 +87,7 @@ class _ScheduleReplay:
         for k in members(row):
             gone = [i for i in schedule.frees(self.tg, row, held_next, k) if i < n and self.present >> i & 1
                     and not (t < n and self.unreached_reads >> i & 1)]
-            if k >= n and not graph.reached[v]:  # a backward that never runs
+            if k >= n and not graph.profile.reached[v]:  # a backward that never runs
                 self.present &= ~sum(1 << i for i in gone)
                 self.steps.append(Step(v, Phase.BACKWARD, (), tuple((Buffer.VALUE, i) for i in gone), call=False))
                 continue
@@ -111,11 +111,11 @@ class _ScheduleReplay:
     def loss(self, row: int) -> None:
         """The loss: its forward, then its backward; an output it reads stays to the turn's end."""
         graph, held = self.graph, self.held
-        reads = bits(graph.loss_reads)
-        loss = [((Buffer.LOSS_FORWARD, -1), graph.loss_forward_bytes)] if graph.loss_forward_bytes else []
+        reads = bits(graph.profile.loss_reads)
+        loss = [((Buffer.LOSS_FORWARD, -1), graph.profile.loss_forward_bytes)] if graph.profile.loss_forward_bytes else []
         gone = self.present & ~held[self.n] & ~reads
-        unreached = [(Buffer.EXTRA, w) for w in graph.unreached
-                     if graph.saved_extra_bytes[w] and not self.discarded >> w & 1]
+        unreached = [(Buffer.EXTRA, w) for w in graph.profile.unreached
+                     if graph.profile.saved_extra_bytes[w] and not self.discarded >> w & 1]
         self.steps.append(Step(-1, Phase.FORWARD, tuple(loss), (*[(Buffer.VALUE, u) for u in members(gone)],
                                                                 *[key for key, _ in loss], *unreached)))
         self.present &= ~gone
@@ -123,7 +123,7 @@ class _ScheduleReplay:
         # A Checkmate schedule lets the loss read nothing: an output it reads that is gone by now is
         # counted back for the turn alone, where the stage replay recomputes the output's stage.
         back = reads & ~self.present
-        later = sum(1 << u for u in graph.loss_reads if self.read_later(row, u, -1))
+        later = sum(1 << u for u in graph.profile.loss_reads if self.read_later(row, u, -1))
         gone = back | self.present & reads & ~held[self.n] & ~later
         self.steps.append(dataclasses.replace(turn, allocs=(*turn.allocs, *(((Buffer.VALUE, u), graph.mem_bytes[u])
                                                                              for u in members(back))),
@@ -144,12 +144,12 @@ class _ScheduleReplay:
         self.present &= ~sum(1 << i for i in gone)
         allocs, frees = gradients.backward(v, _after_members(graph, v) if in_place_first else None)
         allocs += gradients.params(v, frees)
-        if work and v not in graph.backward_reads[v]:  # made after what it saved is read
+        if work and v not in graph.profile.backward_reads[v]:  # made after what it saved is read
             allocs.append(((Buffer.WORK, v), work))
         allocs += _to_measured_peak(graph, v, self.held_by_members + sum(size for _, size in allocs), frees,
                                     set(gone))
         frees += [(Buffer.VALUE, i) for i in gone] + ([(Buffer.WORK, v)] if work else [])
-        frees += [(Buffer.EXTRA, v)] if graph.saved_extra_bytes[v] else []
+        frees += [(Buffer.EXTRA, v)] if graph.profile.saved_extra_bytes[v] else []
         self.steps.append(Step(v, Phase.BACKWARD, tuple(allocs), tuple(frees)))
 
     def value(self, t: int, k: int, row: int, held_next: int, gone: list[int]) -> None:
@@ -158,15 +158,15 @@ class _ScheduleReplay:
         assert not self.present >> k & 1, f"schedule: stage {t} computes node {k} while holding it"
         allocs = [((Buffer.VALUE, k), graph.mem_bytes[k])]
         frees = [(Buffer.VALUE, i) for i in gone]
-        if graph.saved_extra_bytes[k] and (self.recorded[k] == t or not graph.reached[k]):
-            allocs.append(((Buffer.EXTRA, k), graph.saved_extra_bytes[k]))
-            if not graph.reached[k] and not (t == k and not self.discarded >> k & 1):  # nothing reads it: it goes now
+        if graph.profile.saved_extra_bytes[k] and (self.recorded[k] == t or not graph.profile.reached[k]):
+            allocs.append(((Buffer.EXTRA, k), graph.profile.saved_extra_bytes[k]))
+            if not graph.profile.reached[k] and not (t == k and not self.discarded >> k & 1):  # nothing reads it: it goes now
                 frees.append((Buffer.EXTRA, k))
-        if graph.recompute_state_bytes[k]:  # the state as the first call found it, to the last one
+        if graph.profile.recompute_state_bytes[k]:  # the state as the first call found it, to the last one
             if t == k and self.last[k] != k:
-                allocs.append(((Buffer.STATE, k), graph.recompute_state_bytes[k]))
+                allocs.append(((Buffer.STATE, k), graph.profile.recompute_state_bytes[k]))
             elif t != k and t != self.last[k]:  # the state this call leaves, put back after it
-                allocs.append(((Buffer.STATE_AFTER, k), graph.recompute_state_bytes[k]))
+                allocs.append(((Buffer.STATE_AFTER, k), graph.profile.recompute_state_bytes[k]))
                 frees.append((Buffer.STATE_AFTER, k))
             elif t != k:
                 frees.append((Buffer.STATE, k))

@@ -35,18 +35,18 @@ PyTorch's reference-counted autograd does):
   needs a discarded value recomputes the discarded values of that stage the rest of the backward reads,
   and those they are made from (NOTE [what a recomputation makes]), from the kept ones (a
   recomputed layer that may write state holds a copy of it, as its forward call found it, from that call
-  to the end of its recomputation, ``Graph.recompute_state_bytes``; to the end of the forward pass if its
+  to the end of its recomputation, ``Profile.recompute_state_bytes``; to the end of the forward pass if its
   stage is not recomputed; a checkpointed stage's, ``batchnorm_once``'s, only while it reruns); each
   backward allocates the gradients of its inputs and its parameters, then frees its output's gradient,
   its saved extras and every value no later backward reads. Gradients are buffers as autograd hands
   them on (``_Gradients``): an input may get the layer's own gradient or one buffer shared with another
-  input (``Graph.grad_shares``: an addition, a concatenation's views), a second gradient for a value is
+  input (``Profile.grad_shares``: an addition, a concatenation's views), a second gradient for a value is
   summed in place where the engine can, and a buffer goes when no value's gradient is in it. A layer
   with in-place members (a ReLU after its convolution) first reads its own value and turns the gradient
-  it received into working ones (``Graph.backward_work_bytes``); both may go before its inputs are read,
+  it received into working ones (``Profile.backward_work_bytes``); both may go before its inputs are read,
   and so before a recomputation that reading calls for (a ReLU after an addition makes no working
   gradient: it reads its value while it makes the one it hands on); in-place members that hand a
-  gradient on (``out += identity`` written in place after a batch norm, ``Graph.early_grads``) make it
+  gradient on (``out += identity`` written in place after a batch norm, ``Profile.early_grads``) make it
   in that first step. A stage none of whose discarded values is read by a backward is not recomputed at
   all; ``overhead_cost`` is the cost of what the replay recomputes (equation (1), which charges every
   discarded value, under ``liveness=False``: an upper bound on it).
@@ -85,11 +85,11 @@ def simulate(graph: Graph, plan: Plan, liveness: bool = True) -> Prediction:
         training = schedule.training_graph(graph)
         computed, held = plan.schedule
         peak = (peak_of(schedule_timeline(graph, computed, held)) if liveness
-                else schedule.peak(training, computed, held) + sum(graph.param_bytes))
+                else schedule.peak(training, computed, held) + sum(graph.profile.param_bytes))
         return Prediction(peak_bytes=peak, overhead_cost=schedule.cost(training, computed), liveness=liveness)
     if liveness:
         return simulated_steps(graph, plan)[0]
-    peak = equation_2_peak(dp_view(graph, "paper"), plan) + sum(graph.param_bytes)
+    peak = equation_2_peak(dp_view(graph, "paper"), plan) + sum(graph.profile.param_bytes)
     overhead = graph.time(plan.recomputed)  # Eq. (1): everything not kept is computed twice
     return Prediction(peak_bytes=peak, overhead_cost=overhead, liveness=False, host_bytes=graph.mem(plan.swapped))
 

@@ -104,7 +104,7 @@ def _base_plan(graph: Graph, options: Options) -> Plan:
 def _candidates(graph: Graph, base: Plan, min_bytes: int) -> list[int]:
     """Kept values a backward reads, big enough, read by no recomputation; in forward (execution) order.
     An output the loss's backward reads stays: that backward comes first, just after the forward."""
-    read_by_backward = graph.read_by_backward() - set(graph.loss_reads)
+    read_by_backward = graph.read_by_backward() - set(graph.profile.loss_reads)
     stage_of = base.stage_of(len(graph))
     return sorted((u for u in members(base.kept) if u in read_by_backward and graph.mem_bytes[u] >= min_bytes
                    and not graph.succ_mask[u] & base.recomputed),
@@ -129,7 +129,7 @@ def _first_reader(graph: Graph, steps: list) -> dict[int, int]:
     first = {}
     for i, step in enumerate(steps):
         if step.phase == "backward" and step.node >= 0:
-            for u in graph.backward_reads[step.node]:
+            for u in graph.profile.backward_reads[step.node]:
                 first.setdefault(u, i)
     return first
 

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
 import strategies
-from harness.zoo import nets
 from harness.execute import peers
+from harness.zoo import nets
 from strategies import schedule
 from strategies.replay import Buffer, peak_of, timeline
 from strategies.schedule_replay import schedule_timeline
@@ -138,8 +138,8 @@ def test_the_replay_holds_what_the_loss_holds(loss):
     traced = trace(model, x, loss_fn=loss_fn)
     graph = traced.graph
     out = graph.names.index("c")
-    assert graph.outputs == (out,) and graph.loss_reads == ((out,) if reads else ())
-    assert (graph.loss_grad_bytes[out] == 0) == (loss == "sum")
+    assert graph.outputs == (out,) and graph.profile.loss_reads == ((out,) if reads else ())
+    assert (graph.profile.loss_grad_bytes[out] == 0) == (loss == "sum")
     last = graph.all_nodes & ~(1 << out)
     plans = [strategies.solve("vanilla", graph),
              strategies.Plan.from_stages(graph, [last, 1 << out], kept=last),  # the output alone is recomputed
@@ -195,7 +195,7 @@ def test_a_layers_backward_is_replayed_at_its_measured_peak_above_what_it_hands_
     traced = trace(model, x)
     graph = traced.graph
     product = graph.names.index("mul")
-    assert graph.backward_peak_bytes[product] > sum(graph.mem_bytes[u] for u in graph.preds[product])
+    assert graph.profile.backward_peak_bytes[product] > sum(graph.mem_bytes[u] for u in graph.preds[product])
     every_value_kept = strategies.Plan.from_stages(graph, [1 << v for v in range(len(graph))])
     for plan in (strategies.solve("vanilla", graph), every_value_kept):
         measured, predicted = measured_and_predicted(model, x, None, traced, plan)
@@ -203,7 +203,7 @@ def test_a_layers_backward_is_replayed_at_its_measured_peak_above_what_it_hands_
 
 
 def test_a_layer_whose_backward_frees_its_input_before_its_peak_is_replayed_as_it_runs():
-    # ``Graph.backward_frees``: a spectrally normalised layer's convolution hands on its gradients and frees
+    # ``Profile.backward_frees``: a spectrally normalised layer's convolution hands on its gradients and frees
     # its saved input, then the backward of the weight's normalisation runs. Held to the end of the layer's
     # step, the input put the replay 32 KB (an SN-GAN discriminator at batch 64: 17 MB, 1.4%) above the
     # tracker.
@@ -214,8 +214,8 @@ def test_a_layer_whose_backward_frees_its_input_before_its_peak_is_replayed_as_i
     x, loss_fn = torch.empty(8, 3, 16, 16, device="meta"), lambda out: out.square().sum()
     traced = trace(model, x, loss_fn=loss_fn)
     graph = traced.graph
-    freed, peak = graph.backward_frees[graph.names.index("_4")]
-    assert freed == (graph.names.index("_3"),) and peak < graph.backward_peak_bytes[graph.names.index("_4")]
+    freed, peak = graph.profile.backward_frees[graph.names.index("_4")]
+    assert freed == (graph.names.index("_3"),) and peak < graph.profile.backward_peak_bytes[graph.names.index("_4")]
     every_value_kept = strategies.Plan.from_stages(graph, [1 << v for v in range(len(graph))])
     for plan in (strategies.solve("vanilla", graph), strategies.solve("chen_sqrt", graph), every_value_kept):
         measured, predicted = measured_and_predicted(model, x, loss_fn, traced, plan)
@@ -250,7 +250,7 @@ def test_a_storage_saved_as_many_views_is_held_once():
 def test_a_recomputation_an_lstm_s_backward_calls_for_late_runs_on_what_it_has_freed_by_then():
     # On meta the LSTM runs step by step, and its backward frees the second layer's saved extras before the first
     # layer's first step unpacks the input: the recomputation of a stage before it runs on 1 MB less than was live
-    # as that backward began (``Graph.unpack_held_bytes``, negative). Counted on top of all of it, the replay was
+    # as that backward began (``Profile.unpack_held_bytes``, negative). Counted on top of all of it, the replay was
     # 98,320 bytes over the tracker. What is left: the replay holds a kept layer's whole output, the LSTM's final
     # states (16,384 bytes) too, which the step frees at once since nothing reads them.
     model, x = Recurrent().to("meta"), torch.empty(64, 32, 8, device="meta")
@@ -258,7 +258,7 @@ def test_a_recomputation_an_lstm_s_backward_calls_for_late_runs_on_what_it_has_f
     traced = trace(model, x, loss_fn=loss_fn)
     graph = traced.graph
     lstm = graph.names.index("lstm")
-    assert min(held for _, held in graph.unpack_held_bytes[lstm]) < -graph.mem_bytes[lstm]
+    assert min(held for _, held in graph.profile.unpack_held_bytes[lstm]) < -graph.mem_bytes[lstm]
     unread = graph.mem_bytes[lstm] - graph.mem_bytes[graph.names.index("contiguous")]
     for cut in range(lstm + 1):
         plan = strategies.Plan.from_chain(graph, [graph.ancestor_mask[cut], graph.all_nodes])
@@ -279,12 +279,12 @@ class TimeMajorHead(nn.Module):
 
 
 def test_a_layers_forward_temporary_is_counted():
-    # ``Graph.forward_transient_bytes``: without it the replay was one output short of the tracker.
+    # ``Profile.forward_transient_bytes``: without it the replay was one output short of the tracker.
     model, x = TimeMajorHead().to("meta"), torch.empty(64, 32, 16, device="meta")
     traced = trace(model, x)
     graph = traced.graph
     head = graph.names.index("head")
-    assert graph.forward_transient_bytes[head] == graph.mem_bytes[head]
+    assert graph.profile.forward_transient_bytes[head] == graph.mem_bytes[head]
     last = len(graph) - 1
     two_stages = strategies.Plan.from_stages(graph, [graph.all_nodes & ~(1 << last), 1 << last])
     assert two_stages.recomputed and two_stages.kept >> head & 1
@@ -296,7 +296,7 @@ def test_a_layers_forward_temporary_is_counted():
 def test_a_recomputation_runs_on_what_its_layers_backward_holds_when_it_unpacks():
     # A weight-normalised linear layer makes its weight's gradient (its product's backward) before the
     # normalisation's backward unpacks its norms, which a plan that discards the layer recomputes: the
-    # recomputation runs on top of that gradient (``Graph.unpack_held_bytes``). Replayed at the start of
+    # recomputation runs on top of that gradient (``Profile.unpack_held_bytes``). Replayed at the start of
     # the layer's backward, it was predicted 2% low.
     from torch.nn.utils.parametrizations import weight_norm
 
@@ -306,7 +306,7 @@ def test_a_recomputation_runs_on_what_its_layers_backward_holds_when_it_unpacks(
     graph = traced.graph
     first = graph.names.index("_0_0")  # reads the input: its product saves no weight for its backward
     # Its weight's and bias's gradients, less the gradient it received, gone by then.
-    assert graph.unpack_held_bytes[first][0] == (first, (64 * 64 + 64 - 16 * 64) * 4)
+    assert graph.profile.unpack_held_bytes[first][0] == (first, (64 * 64 + 64 - 16 * 64) * 4)
     every_other = strategies.Plan.from_stages(graph, [strategies.bits(range(2 * i, 2 * i + 2)) for i in range(5)])
     for plan in (every_other, strategies.solve("approx_dp", graph, mode="mc")):
         measured, predicted = measured_and_predicted(model, x, loss_fn, traced, plan)
@@ -327,7 +327,7 @@ def test_what_a_module_keeps_is_held_whatever_the_plan(norm):
                             for _ in range(5)]).to("meta")
     x, loss_fn = torch.empty(4, 8, 16, 16, device="meta"), lambda out: out.square().mean()
     traced = trace(model, x, loss_fn=loss_fn)
-    assert traced.graph.attribute_bytes[traced.graph.names.index("_0_0")] == 8 * 8 * 3 * 3 * 4  # the weight
+    assert traced.graph.profile.attribute_bytes[traced.graph.names.index("_0_0")] == 8 * 8 * 3 * 3 * 4  # the weight
     for plan in (strategies.solve("chen_sqrt", traced.graph), strategies.solve("approx_dp", traced.graph, mode="mc")):
         measured, predicted = measured_and_predicted(model, x, loss_fn, traced, plan)
         assert measured == predicted, plan.stages
@@ -358,8 +358,8 @@ def test_what_a_module_keeps_counts_whether_or_not_its_layer_saves_it(norm):
     x, loss_fn = torch.empty(16, 64, device="meta"), lambda out: out.square().mean()
     traced = trace(model, x, loss_fn=loss_fn)
     graph = traced.graph
-    assert graph.attribute_bytes[0] == graph.attribute_bytes[2] == 64 * 64 * 4
-    assert not graph.attribute_saved[0] and graph.attribute_saved[2]
+    assert graph.profile.attribute_bytes[0] == graph.profile.attribute_bytes[2] == 64 * 64 * 4
+    assert not graph.profile.attribute_saved[0] and graph.profile.attribute_saved[2]
     n = len(graph)
     for cuts in [*itertools.combinations(range(1, n), 2), *itertools.combinations(range(1, n), 3)]:
         bounds = [0, *cuts, n]
@@ -413,7 +413,7 @@ def test_attention_is_traced_as_the_cpu_runs_it():
     traced = trace(model, x, loss_fn=loss_fn)
     graph = traced.graph
     attention = graph.names.index("scaled_dot_product_attention")
-    assert set(graph.preds[attention]) <= set(graph.backward_reads[attention])  # q, k and v themselves
+    assert set(graph.preds[attention]) <= set(graph.profile.backward_reads[attention])  # q, k and v themselves
     n = len(graph)
     for cuts in itertools.combinations(range(1, n), 2):
         bounds = [0, *cuts, n]
@@ -446,7 +446,7 @@ def test_a_gradient_handed_as_a_slice_holds_the_whole_it_was_cut_from():
     x, loss_fn = torch.empty(8, 64, device="meta"), lambda out: out.square().mean()
     traced = trace(model, x, loss_fn=loss_fn)
     biases = traced.graph.names.index("cat")
-    assert traced.graph.param_bytes[biases] == 3 * 64 * 4
+    assert traced.graph.profile.param_bytes[biases] == 3 * 64 * 4
     for plan in (strategies.solve("vanilla", traced.graph), strategies.solve("chen_sqrt", traced.graph),
                  strategies.solve("approx_dp", traced.graph, mode="mc")):
         measured, predicted = measured_and_predicted(model, x, loss_fn, traced, plan)
@@ -531,7 +531,7 @@ def test_a_parameters_gradient_is_counted_once_whoever_reads_it(name):
     traced = trace(model, x, loss_fn=loss_fn)
     graph = traced.graph
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    assert sum(graph.param_bytes) == trainable
+    assert sum(graph.profile.param_bytes) == trainable
     for strategy in ("vanilla", "approx_dp", *(["chen_sqrt"] if name == "lora" else [])):
         plan = strategies.solve(strategy, graph)
         measured, predicted = measured_and_predicted(model, x, loss_fn, traced, plan)
@@ -545,8 +545,8 @@ def test_a_residual_addition_hands_its_gradient_to_both_branches():
     assert [name.split("_", 2)[-1] for name in traced.members[block]] == ["bn3", "iadd", "relu_2"]
     # The addition and the ReLU, in place, hand the downsampling branch its gradient before the batch norm's
     # backward runs (the ReLU's gradient, one buffer for both branches).
-    assert [graph.names[u] for u in graph.early_grads[block]] == ["layer1_0_downsample_1"]
-    assert not graph.grad_shares[block]
+    assert [graph.names[u] for u in graph.profile.early_grads[block]] == ["layer1_0_downsample_1"]
+    assert not graph.profile.grad_shares[block]
 
 
 @functools.cache
@@ -617,9 +617,9 @@ def test_what_no_gradient_reaches_makes_no_gradient_and_goes_at_the_loss(name, o
     traced = trace(model, x, loss_fn=loss_fn)
     graph = traced.graph
     aux = {v for v in range(len(graph)) if graph.scopes[v].startswith("aux")}
-    assert len(aux) == 4 and set(graph.unreached) == aux | {graph.names.index("zeros_like")}
+    assert len(aux) == 4 and set(graph.profile.unreached) == aux | {graph.names.index("zeros_like")}
     trained = [*model.trunk.parameters(), *model.head.parameters()]
-    assert sum(graph.param_bytes) == sum(p.numel() * p.element_size() for p in trained)
+    assert sum(graph.profile.param_bytes) == sum(p.numel() * p.element_size() for p in trained)
     plan = strategies.solve(name, graph, **options)
     measured, predicted = measured_and_predicted(model, x, loss_fn, traced, plan)
     assert measured == predicted
@@ -650,7 +650,7 @@ def test_a_value_read_through_detach_takes_no_gradient_from_its_reader(name, opt
     model, x = Quantiser().to("meta"), torch.empty(2, 3, 16, 16, device="meta")
     traced = trace(model, x, loss_fn=loss_fn)
     graph = traced.graph
-    without = {(graph.names[u], graph.names[v]) for v in range(len(graph)) for u in graph.preds_without_grad[v]}
+    without = {(graph.names[u], graph.names[v]) for v in range(len(graph)) for u in graph.profile.preds_without_grad[v]}
     assert {("enc_2", "sub_1"), ("book", "sub"), ("sub_2", "add_1")} <= without, without
     plan = strategies.solve(name, graph, **options)
     measured, predicted = measured_and_predicted(model, x, loss_fn, traced, plan)
@@ -676,7 +676,7 @@ def test_an_addition_in_place_after_a_branch_is_predicted_to_the_byte(name):
     # Traced in place (NOTE [augmented assignments]), the batch norm, the addition and the ReLU are one IR
     # node, and the downsampling branch sits between its members. Without the executor running the batch
     # norm just before the addition (``_delayed``), autograd runs the branch's backward inside the node's
-    # (chen_sqrt measured 3.4% above its prediction here); without ``Graph.early_grads`` the replay makes
+    # (chen_sqrt measured 3.4% above its prediction here); without ``Profile.early_grads`` the replay makes
     # the branch's gradient after the batch norm's backward (3.4% and 8.2% above the measured peak).
     model, x, loss_fn, traced = resnet50_at(16)
     plan = strategies.solve(name, traced.graph)
@@ -685,7 +685,7 @@ def test_an_addition_in_place_after_a_branch_is_predicted_to_the_byte(name):
 
 
 def test_a_layer_that_saves_after_its_inputs_go_is_replayed_so():
-    # Graph.extras_after_reads: a write after a read writes a copy (NOTE [a write after a read] in
+    # Profile.extras_after_reads: a write after a read writes a copy (NOTE [a write after a read] in
     # harness/tracing/trace.py), and where the clone is the value's last reader, the value goes before the in-place
     # dropout saves its mask. Replayed with the mask made beside the value, two of these plans were
     # predicted 7% and 9% above their measured peak.
@@ -693,7 +693,7 @@ def test_a_layer_that_saves_after_its_inputs_go_is_replayed_so():
     loss_fn = lambda out: out.square().mean()  # noqa: E731
     traced = trace(model, x, loss_fn=loss_fn)
     graph = traced.graph
-    assert [graph.names[v] for v in range(len(graph)) if graph.extras_after_reads[v]] == ["dropout"]
+    assert [graph.names[v] for v in range(len(graph)) if graph.profile.extras_after_reads[v]] == ["dropout"]
     rng, n = random.Random(0), len(graph)
     plans = [strategies.solve(name, graph) for name in ("chen_sqrt", "approx_dp")]
     for _ in range(30):
@@ -872,7 +872,7 @@ def test_a_views_backward_is_measured_with_its_readers():
     model, x = CroppedSkip().to("meta"), torch.empty(8, 3, 64, 64, device="meta")
     graph = trace(model, x).graph
     cat, wide = graph.names.index("cat"), graph.names.index("wide")
-    assert graph.backward_peak_bytes[cat] >= graph.mem_bytes[wide]
+    assert graph.profile.backward_peak_bytes[cat] >= graph.mem_bytes[wide]
 
 
 # A schedule runs its backwards in node order, not in the executor's (NOTE [a schedule's replay]): a plan whose stages

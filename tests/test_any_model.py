@@ -17,13 +17,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import strategies
-from harness.zoo import nets
-from harness.execute.exact import compare, switch_on_randomness, tolerance
 from harness.execute import execute
+from harness.execute.exact import compare, switch_on_randomness, tolerance
 from harness.measure import measure
 from harness.run import fixed_bytes
 from harness.tracing.trace import trace
 from harness.tracing.traced import TraceFailure
+from harness.zoo import nets
 
 # torchvision models at small sizes, dropout and stochastic depth on: (name, side, builder kwargs).
 TORCHVISION = [
@@ -312,7 +312,7 @@ def test_a_layer_that_makes_several_values_is_recomputed_whole_and_one_that_view
     graph = traced.graph
     layers = [graph.names.index(name) for name in ("linalg_qr", "var_mean", "linalg_svd", "sort")]
     recompute_all = strategies.Plan.from_stages(graph, [strategies.bits(range(len(graph)))])
-    assert all(any(v in reads for reads in graph.backward_reads) for v in layers)
+    assert all(any(v in reads for reads in graph.profile.backward_reads) for v in layers)
     loss_fn = lambda out: out.square().sum()  # noqa: E731
     for plan in (recompute_all, strategies.solve("chen_sqrt", traced.graph),
                  strategies.solve("chen_greedy", traced.graph)):
@@ -563,7 +563,7 @@ def test_custom_autograd_functions_run_their_own_backward():
     traced = trace(model, x)
     assert sum(name.startswith("saving_swish_apply") for name in traced.graph.names) == 2
     swish = traced.graph.names.index("saving_swish_apply")
-    assert traced.graph.saved_extra_bytes[swish] == traced.graph.mem_bytes[swish]  # its sigmoid
+    assert traced.graph.profile.saved_extra_bytes[swish] == traced.graph.mem_bytes[swish]  # its sigmoid
     loss_fn = lambda out: out.square().sum()  # noqa: E731
     for plan in (strategies.solve("vanilla", traced.graph),
                  strategies.Plan.from_stages(traced.graph, [strategies.bits([v]) for v in range(len(traced.graph))]),
@@ -605,7 +605,7 @@ def test_a_layer_that_saves_only_empty_tensors_calls_for_no_recomputation():
     traced = trace(model, x)
     graph = traced.graph
     doubled = graph.names.index("saves_empty_apply")
-    assert graph.saved_extra_bytes[doubled] == 0 and all(doubled not in reads for reads in graph.backward_reads)
+    assert graph.profile.saved_extra_bytes[doubled] == 0 and all(doubled not in reads for reads in graph.profile.backward_reads)
     add = graph.succs[doubled][0]
     stages = [strategies.bits([v]) for v in range(len(graph)) if v != doubled]
     stages[stages.index(1 << add)] |= 1 << doubled
@@ -685,7 +685,7 @@ def test_a_buffer_read_before_a_write_is_read_as_it_was_and_an_inputs_write_is_r
         traced = trace(model, x, loss_fn=loss_fn)
         graph = traced.graph
         readers = {reader for reader, _ in traced.state_order}
-        assert readers and all(graph.recompute_state_bytes[graph.names.index(r)] for r in readers)
+        assert readers and all(graph.profile.recompute_state_bytes[graph.names.index(r)] for r in readers)
         last, recomputed = len(graph) - 1, set()
         for plan in (strategies.solve("chen_sqrt", graph), strategies.solve("approx_dp", graph),
                      strategies.Plan.from_stages(graph, [graph.all_nodes & ~(1 << last), 1 << last])):
@@ -1231,7 +1231,7 @@ def test_a_layer_called_twice_updates_its_state_in_program_order_whatever_the_st
     names = graph.names
     second_view = graph.ancestor_mask[names.index("enc_7")]
     assert names.index("enc_1") < names.index("enc_5") and not second_view >> names.index("enc_1") & 1
-    first, second = (set(graph.shared_state[names.index(name)]) for name in ("enc_1", "enc_5"))
+    first, second = (set(graph.profile.shared_state[names.index(name)]) for name in ("enc_1", "enc_5"))
     assert "enc.1.running_mean" in first & second
     plans = [strategies.Plan.from_stages(graph, [second_view, graph.all_nodes & ~second_view]),
              strategies.solve("approx_dp", graph)]
@@ -1253,7 +1253,7 @@ def test_the_loss_buffers_are_counted():
     model, tokens, loss_fn = nets.build("gpt2")  # on meta, at its size: the loss is the step's peak
     traced = trace(model, tokens, loss_fn=loss_fn)
     logits = 8 * 1024 * 50257 * 4
-    assert traced.graph.loss_bytes >= 2 * logits  # the log-softmax and its gradient at least
+    assert traced.graph.profile.loss_bytes >= 2 * logits  # the log-softmax and its gradient at least
     # The same graph without the loss's buffers. (Traced without its loss, a graph also records the
     # gradients of the default sum loss, whose backward copies an expanded gradient the real one does not.)
     blind = traced.graph.replace(loss_bytes=0)

@@ -51,3 +51,38 @@ def test_the_command_line_and_the_row_mean_the_same_bytes(override, nbytes):
         config = compose("config", overrides=["+net=resnet50", "+strategy=vanilla", override])
     cell = make_cell("resnet50", "vanilla", budget=config.budget)
     assert cell.budget_bytes == nbytes == parse_budget(override.split("=")[1] if nbytes else None)
+
+
+def test_device_is_read_by_nvml_from_the_first_visible_device(monkeypatch):
+    """``budget=device`` asks NVML, not CUDA (which would open a context in the parent of every cell), for the
+    device a cell will see first: an index or a UUID in CUDA_VISIBLE_DEVICES."""
+    import sys
+    import types
+
+    asked = []
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda index: asked.append(("index", index)) or "handle",
+        nvmlDeviceGetHandleByUUID=lambda uuid: asked.append(("uuid", uuid)) or "handle",
+        nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(free=7_000_000_000))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    for visible, want in ((None, ("index", 0)), ("2,3", ("index", 2)), ("GPU-1a2b", ("uuid", "GPU-1a2b"))):
+        if visible is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert parse_budget("device", "cuda") == 7_000_000_000 and asked.pop() == want
+
+
+def test_the_least_budget_is_asked_for_and_is_the_edge_of_feasible():
+    """``least_budget`` gives, in the bytes every budget counts, the least any plan of the strategy fits: the cell
+    runs at it and not a byte below, and an infeasible row names the same figure."""
+    from harness.run import least_budget, run
+
+    cell = make_cell("resnet50", "approx_dp", batch_size=2, image_size=32, options={"mode": "tc"})
+    least = least_budget(cell)
+    at, below = run(cell.but(budget_bytes=least)), run(cell.but(budget_bytes=least - 1))
+    assert at["status"] == "ok" and at["measured_peak_bytes"] <= least
+    assert below["status"] == "infeasible" and below["min_feasible_bytes"] == least
+    under_static = run(cell.but(budget_bytes=at["static_bytes"] // 2))  # not even the parameters fit
+    assert under_static["status"] == "infeasible" and under_static["min_feasible_bytes"] == least

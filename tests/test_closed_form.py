@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import strategies
+from harness.tracing.trace import trace
 from harness.zoo.nets import GPT2Block
 from harness.zoo.netspec import sum_loss
-from harness.tracing.trace import trace
 from strategies.replay import Phase, timeline
 
 SIZES = [(128, 2, 256, 4), (256, 3, 512, 8)]  # s, b, h, a

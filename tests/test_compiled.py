@@ -2,6 +2,7 @@
 holding what the plan keeps."""
 
 import copy
+import json
 from functools import cache, partial
 
 import pandas as pd
@@ -12,12 +13,11 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torchvision.ops import StochasticDepth
 
 import strategies
-from harness.zoo import nets
-from harness.execute import peers
+from harness.execute import execute, peers
 from harness.execute.compiled import MARK, compiled_step, marked_module, plan_step, tag_plan
-from harness.execute import execute
 from harness.run import run_cell
 from harness.tracing.trace import trace
+from harness.zoo import nets
 from test_any_model import (HF_CONFIGS, AssignsItems, GradModeAndState, KeyQueue, StateReadAndWritten,
                             WritesAfterReads)
 from test_executor import SMALL, SkipToOutput, quarter_plan
@@ -551,3 +551,25 @@ def test_the_frontier_runs_the_points_asked_for_and_reads_them_back(tmp_path):
     assert "- vgg19, vanilla (" in (text := (tmp_path / "eager.md").read_text()) and " eager approx_dp" in text
     with pytest.raises(SystemExit, match="valid modes are eager, compiled"):
         frontier.main([str(tmp_path / "bad"), *args[1:], "--modes", "jit"])
+
+
+def test_the_frontiers_spread_starts_at_the_least_budget_and_is_found_again_from_the_rows(tmp_path):
+    """Without ``--dp-budgets``, approx_dp's points spread from its least budget (``least_budget``, no probe row) to
+    vanilla's peak; drawn again from the rows alone, the least is the least budget a row was run at, and the
+    table is the same."""
+    from harness.bench import frontier
+    from harness.cell import make_cell
+    from harness.run import least_budget
+
+    args = [str(tmp_path / "f"), "--nets", "vgg19", "--batch", "2", "--side", "32", "--strategies", "approx_dp",
+            "--modes", "eager", "--dp-points", "3", "--rows", str(tmp_path / "rows")]
+    frontier.main(args)
+    table = pd.read_csv(tmp_path / "f.csv")
+    least = least_budget(make_cell("vgg19", "approx_dp", batch_size=2, image_size=32))
+    ours = table[table.strategy == "approx_dp"]
+    assert len(ours) == 3 and (ours.status == "ok").all()
+    rows = [json.loads(path.read_text()) for path in (tmp_path / "rows").glob("*.json")]
+    assert len(rows) == 4  # vanilla and three points: no probe for the least
+    assert min(row["budget_bytes"] for row in rows if row["strategy"] == "approx_dp") == least
+    frontier.main([str(tmp_path / "again"), *args[1:], "--from-rows"])
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "again.csv"), table)

@@ -201,7 +201,7 @@ def test_minimal_budget_on_a_real_net_is_tight(name):
     for net, side in (("gpt2", 64), ("resnet50", 64)):
         model, x, loss_fn = nets.build(net, 2, side)
         graph = trace(model, x, loss_fn=loss_fn).graph
-        assert graph.loss_bytes > 0 and any(graph.saved_extra_bytes)
+        assert graph.profile.loss_bytes > 0 and any(graph.profile.saved_extra_bytes)
         # The default judges a budget as every strategy does, by the liveness replay (NOTE [judging a DP's
         # budget]); Kusumoto et al.'s by equation (2).
         judged = {"traced": lambda plan: simulate(graph, plan).peak_bytes,

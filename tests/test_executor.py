@@ -7,10 +7,9 @@ import torch
 from torch import nn
 
 import strategies
-from harness.zoo import nets
-from harness.execute import peers
-from harness.execute import execute, recorded_recomputations
+from harness.execute import execute, peers, recorded_recomputations
 from harness.tracing.trace import trace
+from harness.zoo import nets
 from strategies import Plan, bits
 
 SMALL = {"unet": (1, 188)}  # net -> (batch, side) where 2 x 64 x 64 does not fit the net
@@ -252,7 +251,7 @@ def test_a_recomputation_holds_only_what_the_backward_reads():
     """A recomputed value no backward reads (ResNet's downsampling branch, read only by an addition) goes
     after its last use in the stage, as the simulator frees it, not at the stage's end; a recomputed
     BatchNorm's copies of its running statistics (8 bytes above the prediction before the replay counted
-    them, ``Graph.recompute_state_bytes``) are counted."""
+    them, ``Profile.recompute_state_bytes``) are counted."""
     from harness.measure import measure
     from harness.run import fixed_bytes
 

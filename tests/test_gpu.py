@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import strategies
-from harness.execute.exact import compare
 from harness.execute import execute
+from harness.execute.exact import compare
 from harness.run import run_cell
 from harness.tracing.trace import trace
 

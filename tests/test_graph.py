@@ -55,8 +55,8 @@ def test_set_helpers_agree_with_their_definitions_on_small_and_large_sets(n, dat
 
 def test_default_backward_reads_are_the_inputs():
     g = diamond()
-    assert g.backward_reads == ((), (0,), (0,), (1, 2))
-    assert g.param_bytes == (0, 0, 0, 0) and g.saved_extra_bytes == (0, 0, 0, 0)
+    assert g.profile.backward_reads == ((), (0,), (0,), (1, 2))
+    assert g.profile.param_bytes == (0, 0, 0, 0) and g.profile.saved_extra_bytes == (0, 0, 0, 0)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -72,3 +72,18 @@ def test_default_backward_reads_are_the_inputs():
 def test_invalid_graphs_name_the_bad_node(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Graph(**kwargs)
+
+
+def test_a_copy_keeps_every_field_it_is_not_given():
+    """``Graph.replace`` (how the DPs' equation (2) view and a sharded cell's graph are made) changes what it is
+    given and keeps the rest, the profile's fields all included."""
+    g = diamond().replace(param_bytes=[0, 0, 100, 0], loss_reads=[3], param_grads_released=True, scopes=list("abcd"))
+    copy = g.replace(loss_bytes=8)
+    assert copy.profile.loss_bytes == 8 and copy.replace(loss_bytes=0) == g
+    assert copy.profile.param_grads_released and copy.profile.param_bytes == (0, 0, 100, 0)
+    assert copy.profile.loss_reads == (3,) and copy.scopes == tuple("abcd") and copy.outputs == g.outputs
+
+
+def test_a_profile_field_the_graph_does_not_know_is_refused():
+    with pytest.raises(TypeError, match="backward_read"):
+        Graph(mem_bytes=[1], cost=[1], edges=[], backward_read=[()])

@@ -21,7 +21,7 @@ def test_ilp_is_never_worse_than_exact_dp_at_the_same_budget(graph):
         schedule.validate(training, computed, held)
         assert schedule.cost(training, computed) <= simulate(graph, exact, liveness=False).overhead_cost  # Eq. (1)
         # The same budget, counted for both by the schedule accounting: exact_dp's schedule fits it.
-        same = schedule.peak(training, computed, held) + sum(graph.param_bytes)
+        same = schedule.peak(training, computed, held) + sum(graph.profile.param_bytes)
         ilp = solve("ilp_optimal", graph, same, time_limit_s=30, memory_model="paper")
         assert ilp.info["ilp_status"] == "optimal"
         predicted = simulate(graph, ilp, liveness=False)  # a schedule without liveness: Checkmate's count
@@ -72,7 +72,7 @@ def test_budget_none_is_approx_dp_s_minimal_schedule_and_the_ilp_beats_or_ties_i
     training = schedule.training_graph(graph)
     plan = solve("ilp_optimal", graph, memory_model="paper")
     start = schedule.from_plan(graph, solve("approx_dp", graph, memory_model="paper"))
-    assert plan.budget_bytes == schedule.peak(training, *start) + sum(graph.param_bytes)
+    assert plan.budget_bytes == schedule.peak(training, *start) + sum(graph.profile.param_bytes)
     assert plan.info["ilp_status"] == "optimal"
     assert simulate(graph, plan).overhead_cost <= schedule.cost(training, start[0])
     plan = solve("ilp_optimal", graph)  # judged by the replay

@@ -63,7 +63,7 @@ def test_the_least_memory_is_brute_force_over_every_plan_and_never_above_a_dp(gr
 def test_every_plan_fits_the_relaxation_at_the_peak_its_replay_measures(graph):
     """The relaxation never counts more than the replay: with what recomputations read counted at every layer,
     each plan of a small DAG fits the models with and without stages at its replayed peak, at its cost."""
-    unread, layers = nothing_reads(graph), [v for v in range(len(graph)) if graph.reached[v]]
+    unread, layers = nothing_reads(graph), [v for v in range(len(graph)) if graph.profile.reached[v]]
     plans = {(plan.stages, plan.kept | unread) for plan in every_plan(graph)}
     for plan in (Plan.from_stages(graph, list(stages), kept=kept) for stages, kept in plans):
         prediction = simulate(graph, plan)
@@ -124,7 +124,7 @@ def test_the_relaxation_is_never_above_the_replay_on_the_zoo(net):
     plans = [solve("chen_sqrt", graph), solve("approx_dp", graph, mode="mc")]
     plans += [solve("approx_dp", graph, least + (vanilla - least) * k // 4) for k in (0, 2)]
     unread = nothing_reads(graph)
-    reached = [v for v in range(len(graph)) if graph.reached[v]]
+    reached = [v for v in range(len(graph)) if graph.profile.reached[v]]
     layers = reached[::max(1, len(reached) // 12)]  # a dozen: counted at every layer, 20 s a plan on ResNet-50
     for plan in plans:
         plan = dataclasses.replace(plan, kept=plan.kept | unread)  # the model keeps what nothing reads
@@ -147,7 +147,7 @@ def kept_fits(graph, kept, budget):
     read counted at every layer's backward (the search counts it only where a plan's replay peaks): the moments
     there hold whatever the stages."""
     model = _Relaxation(cp_model, graph, budget, stages=False,
-                        holding=[v for v in range(len(graph)) if graph.reached[v]])
+                        holding=[v for v in range(len(graph)) if graph.profile.reached[v]])
     for v, k in enumerate(model.kept):
         model.model.Add(k == (kept >> v & 1))
     return solver_of(cp_model).Solve(model.model) == cp_model.OPTIMAL

@@ -10,13 +10,13 @@ from hydra import compose, initialize_config_dir
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.zoo import nets
 from harness.bench import figure3, max_batch, report
 from harness.bench.paper_numbers import TABLE1_GB, TABLE2_GB
 from harness.bench.report import table1, table2
 from harness.budget import parse_budget
 from harness.results import load_results, stored_path, write_row
 from harness.run import run_cell
+from harness.zoo import nets
 from test_run import ROOT, _harness
 
 

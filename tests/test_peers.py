@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import strategies
-from harness.zoo import nets
 from harness.execute import peers
 from harness.tracing.trace import trace
+from harness.zoo import nets
 
 
 def test_block_plan_follows_the_zoo_blocks():

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import strategies
-from harness.execute.exact import compare
 from harness.execute import execute, recorded_recomputations
+from harness.execute.exact import compare
 from harness.tracing.trace import trace
 from strategies import members
 

@@ -13,10 +13,10 @@ from hydra import compose, initialize_config_dir
 
 import harness.run
 import strategies
-from harness.zoo import nets
-from harness.results import load_results, umask
 from harness.__main__ import net_name, net_options
+from harness.results import load_results, umask
 from harness.run import run_cell
+from harness.zoo import nets
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"

@@ -70,8 +70,8 @@ def test_released_gradients_go_as_their_backward_ends_and_a_shared_ones_after_it
 
 
 def _fields(graph: Graph) -> dict:
-    return dict(mem_bytes=graph.mem_bytes, cost=graph.cost, edges=graph.edges, param_bytes=graph.param_bytes,
-                param_sharers=graph.param_sharers)
+    return dict(mem_bytes=graph.mem_bytes, cost=graph.cost, edges=graph.edges, param_bytes=graph.profile.param_bytes,
+                param_sharers=graph.profile.param_sharers)
 
 
 @pytest.mark.parametrize("arguments, message", [

@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from harness.zoo import nets
 from harness.tracing.trace import trace
 from harness.tracing.traced import TraceFailure
+from harness.zoo import nets
 
 
 def test_in_place_and_views_join_the_value_they_write():
@@ -21,8 +21,8 @@ def test_in_place_and_views_join_the_value_they_write():
     assert g.edges == ((0, 1), (1, 2))
     assert g.cost == (10.0, 3.0, 1.0)  # paper cost model: 10 per convolution, 1 per other layer (bn, relu, flatten)
     # BatchNorm saves its input (the conv output), the in-place ReLU its output, Linear its input.
-    assert g.backward_reads == ((), (0, 1), (1,))
-    assert g.param_bytes == ((4 * 3 * 9 + 4) * 4, 8 * 4, (144 * 2 + 2) * 4)
+    assert g.profile.backward_reads == ((), (0, 1), (1,))
+    assert g.profile.param_bytes == ((4 * 3 * 9 + 4) * 4, 8 * 4, (144 * 2 + 2) * 4)
 
 
 def test_flop_cost_model():

@@ -10,12 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import strategies
-from harness.zoo import nets
 from harness.measure import measure
 from harness.plans import PlanFileError
 from harness.run import run_cell
 from harness.tracing.trace import trace
 from harness.train import CheckpointedStages, as_checkpoint_plan, plan_training
+from harness.zoo import nets
 
 STEPS = 20
 

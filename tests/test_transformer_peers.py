@@ -10,12 +10,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import strategies
-from harness.zoo import nets
 from harness.execute import peers
 from harness.execute.exact import compare, tolerance
-from harness.zoo.nets import GPT2
 from harness.run import run_cell, traced_net
 from harness.tracing.trace import trace
+from harness.zoo import nets
+from harness.zoo.nets import GPT2
 from harness.zoo.netspec import next_token_loss
 
 PEERS = [("sac_ops", {}), ("sac_ops", {"every_second_mm": True}), ("megatron_selective", {})]

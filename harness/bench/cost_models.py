@@ -27,11 +27,11 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from harness.zoo import nets  # noqa: E402
 from harness.bench.common import add_rows_options, command_of, made_by, save_figure  # noqa: E402
 from harness.bench.frontier import Cells  # noqa: E402
-from harness.tracing.cost_models import COST_MODELS  # noqa: E402
 from harness.results import Status  # noqa: E402
+from harness.tracing.cost_models import COST_MODELS  # noqa: E402
+from harness.zoo import nets  # noqa: E402
 
 SIZES = {"cpu": ("resnet50", 8, 128), "cuda": ("resnet152", 128, 224)}  # net, batch, side by default
 

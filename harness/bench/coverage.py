@@ -37,13 +37,13 @@ from tqdm import tqdm
 
 import strategies
 from harness.bench.common import command_of, made_by
-from harness.zoo import nets
-from harness.execute.exact import compare, switch_on_randomness, tolerance
-from harness.execute import execute
 from harness.cell import make_cell
+from harness.execute import execute
+from harness.execute.exact import compare, switch_on_randomness, tolerance
 from harness.results import Status, write_row
 from harness.run import run
 from harness.tracing.trace import trace
+from harness.zoo import nets
 
 STRATEGIES = ("approx_dp", "chen_sqrt", "swap")
 SMP_ARCHITECTURES = ("Unet", "FPN", "PSPNet")

@@ -20,9 +20,9 @@ import pandas as pd
 from tqdm import tqdm
 
 from harness.bench.common import command_of, made_by
-from harness.zoo import nets
 from harness.results import Status, label, load_results
 from harness.run import run_cell
+from harness.zoo import nets
 
 GB = 1e9
 UNBUDGETED = [("vanilla", {}), ("liveness_only", {}), ("chen_sqrt", {}), ("chen_greedy", {}),

@@ -31,9 +31,9 @@ import pandas as pd  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from harness.bench.common import add_rows_options, command_of, made_by, save_figure  # noqa: E402
+from harness.bench.max_batch import fits, run_within  # noqa: E402
 from harness.bench.style import line_style, style  # noqa: E402
 from harness.budget import parse_budget  # noqa: E402
-from harness.bench.max_batch import fits, run_within  # noqa: E402
 from harness.results import DEVICE_TIME_NOTE, Status, device_time, label  # noqa: E402
 
 BATCHES = {"resnet152": [16, 32, 48, 64, 96, 128, 160, 192, 224, 256], "pspnet": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}

@@ -42,11 +42,11 @@ from tqdm import tqdm  # noqa: E402
 
 from harness.bench.common import add_rows_options, command_of, made_by, save_figure  # noqa: E402
 from harness.bench.style import style  # noqa: E402
-from harness.zoo import nets  # noqa: E402
 from harness.budget import parse_budget  # noqa: E402
 from harness.cell import make_cell  # noqa: E402
 from harness.results import DEVICE_TIME_NOTE, Status, device_time, label, read_row, stored_path  # noqa: E402
 from harness.run import least_budget, run  # noqa: E402
+from harness.zoo import nets  # noqa: E402
 
 NETS = {"resnet152": (128, 224), "pspnet": (8, 712), "gpt2": (8, 1024), "llama_1b": (4, 2048), "llama_8b": (1, 4096)}
 RATIOS = (0.0, 0.2, 0.5, 0.8, 1.0)

@@ -32,11 +32,11 @@ import torch
 from tqdm import tqdm
 
 from harness.bench.common import add_rows_options, command_of, made_by
-from harness.zoo import nets
-from harness.budget import parse_budget
 from harness.bench.paper_numbers import TABLE1_GB
+from harness.budget import parse_budget
 from harness.results import DEVICE_TIME_NOTE, Status, device_time, label, read_row, stored_path
 from harness.run import run_cell
+from harness.zoo import nets
 
 # (strategy, options), Kusumoto et al.'s columns first; options as the strategy configs give them.
 STRATEGIES = [("vanilla", {}), ("liveness_only", {}), ("chen_sqrt", {}), ("chen_greedy", {}),

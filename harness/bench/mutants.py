@@ -49,7 +49,7 @@ MUTANTS = [
            ("tests/test_randomness.py",)),
     Mutant("what a layer saves besides its value counts 0 bytes in the forward replay",
            "strategies/replay.py",
-           '            allocs.append(((Buffer.EXTRA, v), graph.saved_extra_bytes[v]))\n',
+           '            allocs.append(((Buffer.EXTRA, v), graph.profile.saved_extra_bytes[v]))\n',
            '            allocs.append(((Buffer.EXTRA, v), 0))\n',
            ("tests/test_accounting.py::test_predicted_peak_is_the_measured_one_to_the_byte",)),
     Mutant("a recomputed BatchNorm starts from the state its forward call left, and updates it again",
@@ -90,7 +90,7 @@ MUTANTS = [
            ("tests/test_transformer_peers.py::test_on_meta_each_peer_is_predicted_as_checkpoint_per_block_is",)),
     Mutant("released parameter gradients stay to the step's end in the replay",
            "strategies/replay_steps.py",
-           "        if self.graph.param_grads_released:\n            for u in self.param_owners[v]:",
+           "        if self.graph.profile.param_grads_released:\n            for u in self.param_owners[v]:",
            "        if False:\n            for u in self.param_owners[v]:",
            ("tests/test_sharding.py::test_released_gradients_go_as_their_backward_ends_and_a_shared_ones_after_its_"
             "last_reader",)),

@@ -22,13 +22,13 @@ import pandas as pd
 from tqdm import tqdm
 
 import strategies
-from harness.zoo import nets
-from harness.execute import peers
 from harness.bench.common import command_of, made_by, plt, save_figure
 from harness.bench.style import line_style, style
-from harness.results import is_number, label, read_row, write_row
 from harness.cell import make_cell
+from harness.execute import peers
+from harness.results import is_number, label, read_row, write_row
 from harness.run import build
+from harness.zoo import nets
 
 GB = 1e9
 FRACTIONS = (0.0, 0.25, 0.5, 0.75)  # of the way from approx_dp tc's minimal budget to vanilla's peak

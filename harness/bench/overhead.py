@@ -39,10 +39,10 @@ from tqdm import tqdm
 import strategies
 from harness.bench.common import command_of, made_by
 from harness.bench.profile_step import aten_calls, host_ops
+from harness.cell import make_cell
 from harness.execute import call_node, recorded_recomputations
 from harness.measure import clear_grads, collected_then_held_off
 from harness.results import label
-from harness.cell import make_cell
 from harness.run import build, plan, step as plan_step
 from harness.tracing.state import generators_of, state_kept
 from harness.tracing.traced import Traced

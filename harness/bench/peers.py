@@ -21,12 +21,12 @@ from tqdm import tqdm
 
 from harness.bench.common import made_by
 import strategies
-from harness.zoo import nets
+from harness.cell import make_cell
 from harness.execute import peers
 from harness.execute.peers import PEERS
 from harness.results import Status, load_results
-from harness.cell import make_cell
 from harness.run import build
+from harness.zoo import nets
 from strategies.ilp_optimal import Options as IlpOptions
 from strategies.ilp_optimal import within_replay
 

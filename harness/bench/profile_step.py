@@ -26,9 +26,9 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from harness.bench.common import command_of, made_by
+from harness.cell import make_cell
 from harness.execute import RECOMPUTE_EVENT
 from harness.measure import clear_grads
-from harness.cell import make_cell
 from harness.run import build, plan, step
 
 

@@ -25,10 +25,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 
 from harness.bench.common import made_by
-from harness.zoo import nets
 from harness.bench.paper_numbers import K40C_GB, OUT_OF_MEMORY, TABLE1_GB, TABLE2_GB
 from harness.execute.peers import PEERS
 from harness.results import Status, label, load_results, mode_of
+from harness.zoo import nets
 
 GB = 1e9
 

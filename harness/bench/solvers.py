@@ -24,9 +24,9 @@ from tqdm import tqdm
 
 from harness.bench.common import made_by
 import strategies
-from harness.zoo import nets, paper_graphs
 from harness.cell import make_cell
 from harness.run import build
+from harness.zoo import nets, paper_graphs
 from strategies.lower_sets import all_lower_sets
 
 CELLS = [(s, m) for s in ("approx_dp", "exact_dp") for m in ("tc", "mc")]
@@ -60,7 +60,7 @@ def bench(graph, strategy: str, mode: str, repeat: int, max_lower_sets: int | No
         within = strategies.solve(strategy, graph, mode=mode, budget_bytes=budget)
         budgeted.append(time.perf_counter() - start)
     return {"strategy": strategy, "mode": mode, "lower sets": plan.info["lower_sets"],
-            "min budget GB (model)": (prediction.peak_bytes - sum(graph.param_bytes)) / 1e9,
+            "min budget GB (model)": (prediction.peak_bytes - sum(graph.profile.param_bytes)) / 1e9,
             "min budget GB (replay)": minimum / 1e9,
             "overhead": prediction.overhead_cost, "stages": len(plan.stages),
             "solve s": statistics.median(times), f"solve s at {BUDGETED}x": statistics.median(budgeted),

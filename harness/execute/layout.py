@@ -54,7 +54,7 @@ def _layout(traced: Traced, plan: Plan) -> SimpleNamespace:
     # The calls whose saves the hooks must see (NOTE [executing a plan]): those of a value the plan recomputes
     # or swaps, or that no gradient reaches, and those that read a value it recomputes or swaps.
     watched = discarded | set(members(plan.swapped))
-    own_watched = watched | set(graph.unreached)
+    own_watched = watched | set(graph.profile.unreached)
     hooked = [traced.group_of.get(node.name) in own_watched
               or any(traced.group_of.get(source.name) in watched for source in node.all_input_nodes)
               for node in order]
@@ -63,7 +63,7 @@ def _layout(traced: Traced, plan: Plan) -> SimpleNamespace:
         cached_names=cached_names, cache_stages=cache_stages, stage_reads=stage_reads, forward_frees=_frees(order),
         arguments=[(node.args, node.kwargs) for node in order],
         stage_discarded={s: members(stage & ~plan.kept) for s, stage in enumerate(plan.stages)},
-        hooked=hooked, unreached=set(graph.unreached),
+        hooked=hooked, unreached=set(graph.profile.unreached),
         recomputable={name for g in remade for name in traced.members[g]}, recomputations={})
     traced.layouts[key] = layout
     return layout

@@ -15,7 +15,7 @@ gradients and the buffers of the reduce-scatter. That peak less its activations 
 static part (``Row.rank_static_bytes``).
 The rest is the plan's: the cell's step runs the unsharded model on meta with every parameter gradient
 released as soon as it is accumulated (FSDP2 reduce-scatters it to the shard and frees it), and the graph
-says so (``Graph.param_grads_released``), so the replay predicts that step to the byte as it does any
+says so (``Profile.param_grads_released``), so the replay predicts that step to the byte as it does any
 other. A rank's peak is the static part plus that step's peak less the whole model's parameters, buffers
 and input. Every strategy plans in what the budget leaves after the static part.
 """

@@ -25,7 +25,7 @@ layer is. Both are done by mechanism, with no list of layer types:
   once per step. (Neither version counters nor op schemas tell which buffers a call writes:
   ``native_batch_norm`` writes its running statistics without declaring it.) The copies live from the
   forward call to the recomputation, or to the end of the forward pass where no backward calls for the
-  stage; the replay counts them (``Graph.recompute_state_bytes``). A write to state by a node of its own
+  stage; the replay counts them (``Profile.recompute_state_bytes``). A write to state by a node of its own
   (``self.steps.add_(1)``) is outside the IR and runs once, in the forward pass (NOTE [state the forward
   writes] in ``harness/tracing/tracer.py``).
 - Grad mode. A node the model ran under ``no_grad`` runs under it here too (NOTE [grad mode] there).

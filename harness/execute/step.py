@@ -55,9 +55,9 @@ from harness.execute.side_effects import _Fresh, _SideEffects
 from harness.execute.store import _EXTRAS_ONLY, _RECORDERS, _Store, _ranked
 from harness.execute.swap import _Swap
 from harness.measure import recomputing
-from harness.zoo.nets import sum_loss
 from harness.tracing.state import tensors_of
 from harness.tracing.traced import Traced
+from harness.zoo.nets import sum_loss
 from strategies import Plan, bits
 
 

@@ -28,7 +28,7 @@ Not every layer's backward runs. An output the loss leaves out (an auxiliary cla
 ``aux`` segmentation head, a pooler beside a language model's logits) gets no gradient, nor does any
 layer only it reads; a value made from the input alone (a mask, positions from ``torch.arange``) takes
 none either. The trace's backward on meta notes which IR nodes' autograd nodes ran (``gradients``); the
-others are ``Graph.unreached``. Their layers make no gradients, and what they saved is let go with the
+others are ``Profile.unreached``. Their layers make no gradients, and what they saved is let go with the
 outputs at the loss's forward, as in plain PyTorch, where their autograd graph dies with the output: the
 executor drops their saved tensors there (the hooks' tokens would hold them to the step's end, each
 output's own grad_fn in a cycle with it), and the replay frees them there. A value nothing reads (dead
@@ -47,15 +47,15 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves, tree_map
 
 from harness.measure import DEVICE_PARTS, MemoryTracker
+from harness.tracing.probe import Probe, new_autograd_nodes, storage_of
 from harness.tracing.state import grad_mode
 from harness.tracing.traced import TraceFailure, describe
-from harness.tracing.probe import Probe, new_autograd_nodes, storage_of
 
 
 def gradients(probe: "Probe", output, loss_fn) -> tuple[dict, dict, dict, set[int] | None, set[tuple[int, int]]]:
-    """What each IR node's backward hands its predecessors (``Graph.grad_shares``), the gradients it
-    works with on the way (``Graph.backward_work_bytes``), the predecessors its in-place members hand a
-    gradient (``Graph.early_grads``), the IR nodes whose backward ran at all (NOTE [what no gradient
+    """What each IR node's backward hands its predecessors (``Profile.grad_shares``), the gradients it
+    works with on the way (``Profile.backward_work_bytes``), the predecessors its in-place members hand a
+    gradient (``Profile.early_grads``), the IR nodes whose backward ran at all (NOTE [what no gradient
     reaches]; None: the outputs take no gradient) and the pairs (node, predecessor) it handed one, seen in
     a backward pass on meta: per autograd node of the node's layer, the gradients it reads and makes,
     compared by storage with the gradient the layer received and with those it passes to another IR node's
@@ -118,7 +118,7 @@ def gradients(probe: "Probe", output, loss_fn) -> tuple[dict, dict, dict, set[in
 def _shares_and_work(probe: "Probe", handed: list, through: dict, received: dict, working: list,
                      sizes: dict) -> tuple[dict, dict]:
     """From what ``gradients`` saw in the backward: per group, the gradients it hands its predecessors that share
-    a buffer (``Graph.grad_shares``), and its working gradients (``Graph.backward_work_bytes``)."""
+    a buffer (``Profile.grad_shares``), and its working gradients (``Profile.backward_work_bytes``)."""
     passed: dict[int, dict[int, set[int]]] = {}  # group -> predecessor group -> storages its gradient is in
     outside: dict[int, set[int]] = {}  # group -> storages it handed on, as handed
     for g, h, target, key in handed:
@@ -204,15 +204,15 @@ def _gradient_bytes(module: fx.GraphModule) -> dict[int, int]:
 
 def backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set[str], example_input: torch.Tensor,
                     loss_fn) -> tuple[dict[int, int], dict[int, tuple[set[int], int]], dict[int, int], dict, set[int]]:
-    """The most each layer's backward holds above what was live as it began (``Graph.backward_peak_bytes``),
+    """The most each layer's backward holds above what was live as it began (``Profile.backward_peak_bytes``),
     seen in a plain training step on meta: the gradients it makes (working ones, its inputs', its
     parameters') less what it frees on the way (its saved extras as each of its autograd nodes finishes,
     the gradient it received). Forward values are held as if never freed: the replay decides when they go.
     Beside it, for each layer, the forward values its backward freed and the peak with them going as they
-    went (``Graph.backward_frees``), the most its forward call held above what it left
-    (``Graph.forward_transient_bytes``), and what its backward held above what was live as it began the
+    went (``Profile.backward_frees``), the most its forward call held above what it left
+    (``Profile.forward_transient_bytes``), and what its backward held above what was live as it began the
     first time it unpacked each IR node's value or, its own, what it saved besides
-    (``Graph.unpack_held_bytes``); the layers whose value outlives the step (NOTE [values held outside
+    (``Profile.unpack_held_bytes``); the layers whose value outlives the step (NOTE [values held outside
     the program] in ``harness/tracing/trace.py``); last, the bytes each parameter's gradient holds, by parameter storage (NOTE
     [parameter gradients])."""
 
@@ -265,7 +265,7 @@ def backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set[
 
 
 def loss_fields(output, loss_fn, node_of, n: int) -> dict:
-    """The loss's part of the graph (``Graph.loss_bytes`` and the other ``loss_*`` fields), measured on
+    """The loss's part of the graph (``Profile.loss_bytes`` and the other ``loss_*`` fields), measured on
     meta (NOTE [the loss]): the outputs are counted from the start and taken off every figure, since the
     replay holds them as the IR nodes' values."""
 

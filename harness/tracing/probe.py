@@ -31,19 +31,19 @@ and keep it as a plain attribute of the module (``module.weight``) until the nex
 The layer saves that weight for its backward, but dropping the saved tensor frees nothing: the module
 holds it to the step's end whatever the plan, and a recomputation makes another while the first is
 still there. So what a layer saves that a module keeps as an attribute after the forward is not a
-saved extra but ``Graph.attribute_bytes``, made by the layer's first call and held to the end; each
+saved extra but ``Profile.attribute_bytes``, made by the layer's first call and held to the end; each
 recomputation's pre-hook makes a second one, which replaces the first before the layer runs. Counted as
 a saved extra, which a plan that recomputes the layer drops, such a discriminator's plans were predicted
 2-3% low. A layer that does not save it (a product whose input takes no gradient saves no weight) leaves
 it on the module all the same: the probe notes every tensor a module call leaves as an attribute, saved
-or not, and only what the layer saves (``Graph.attribute_saved``) calls for its recomputation.
+or not, and only what the layer saves (``Profile.attribute_saved``) calls for its recomputation.
 
 NOTE [parameter gradients]
 A parameter's gradient is made once, by the first backward in the step that reaches it, and stays to the
 step's end; the autograd engine sums what later readers' backwards hand it into that buffer. So the probe
 notes, by storage, which IR nodes read each parameter that takes a gradient: through its module's call,
 or as an input, directly or through a view (a bare ``nn.Parameter`` such as a class token, a layer
-scale, a LoRA factor; a tied embedding's ``weight.t()``). Its bytes count once (``Graph.param_bytes``),
+scale, a LoRA factor; a tied embedding's ``weight.t()``). Its bytes count once (``Profile.param_bytes``),
 at its last reader in the forward order, and its other readers are that node's ``param_sharers``: the
 replay makes the gradient at whichever of them its backward reaches first. Counted per module call, a
 block applied four times had its gradients counted four times (+48% on its step's peak, a Siamese
@@ -67,8 +67,8 @@ from torch.utils._pytree import tree_leaves
 
 from harness.tracing.state import grad_mode, written_state
 from strategies import Graph
-from harness.tracing.traced import TraceFailure, Traced, describe, scope_of, target_of
 from harness.tracing.cost_models import layer_cost
+from harness.tracing.traced import TraceFailure, Traced, describe, scope_of, target_of
 from harness.tracing.tracer import AUGMENTED, Draws
 
 
@@ -341,7 +341,7 @@ class Probe(fx.Interpreter):
                 extras[id(storage_of(t))] = storage_of(t).nbytes()
         group["extra"].update(extras)
         if read - {g}:
-            group["saved_since_read"] = set()  # for Graph.extras_after_reads: saved while it reads, not after
+            group["saved_since_read"] = set()  # for Profile.extras_after_reads: saved while it reads, not after
         else:
             group["saved_since_read"].update(extras)
         self._keep_alive += saved
@@ -385,7 +385,7 @@ class Probe(fx.Interpreter):
             param_bytes[owner] += self.trainable[key]
             sharers[owner] |= readers - {owner}
         written = {key: self.buffer_of_storage[key][1] for key in self.written_buffers}
-        without_grad = [[] for _ in groups]  # what a backward that ran handed no gradient (Graph.preds_without_grad)
+        without_grad = [[] for _ in groups]  # what a backward that ran handed no gradient (Profile.preds_without_grad)
         for u, v in edges if ran is not None and handed is not None else ():
             if order[v] in reached and (order[v], order[u]) not in handed:
                 without_grad[v].append(u)
@@ -435,7 +435,7 @@ class Probe(fx.Interpreter):
 
     def _state_bytes(self, group: dict, written: dict[int, torch.Tensor]) -> int:
         """The copies of the state a recomputation of ``group`` starts from, one per call, held from the
-        forward call to the recomputation (``Graph.recompute_state_bytes``); the buffers among a call's inputs
+        forward call to the recomputation (``Profile.recompute_state_bytes``); the buffers among a call's inputs
         are those among its arguments."""
         return sum(t.numel() * t.element_size() for node in group["members"]
                    for t in written_state(self.module, node, self.node_inputs[node.name], {}, self.buffer_ids, written))

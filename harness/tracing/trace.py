@@ -37,7 +37,7 @@ sees the write in the model but would not see it in the copy, so such a write is
 so is a write of several tensors, or of one that no call returned whole (a part of a tuple). Where the
 clone is the value's last reader, the value goes before the write saves anything (a ``clamp_``'s copy of
 its input, a dropout's mask): the probe notes an IR node whose calls save all its extras after their last
-read of another node's value (``Graph.extras_after_reads``), and the replay makes those extras after the
+read of another node's value (``Profile.extras_after_reads``), and the replay makes those extras after the
 values that go at the node have gone (``_call`` in ``strategies/replay_steps.py``; made beside the value, they
 put two plans of 32 tried 7% and 9% above their measured peak; no zoo net has such a node).
 """
@@ -51,13 +51,13 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
-from harness.zoo.nets import sum_loss
-from harness.tracing.traced import TraceFailure, Traced, describe
-from harness.tracing.cost_models import CostModel, check_cost_model, measured_costs
 from harness.tracing.attention import attention_as_on
-from harness.tracing.tracer import AUGMENTED, symbolic_trace
-from harness.tracing.probe import CopyFirst, Probe, nodes_after, non_leaf_attributes, storage_of
 from harness.tracing.backward_profile import backward_peaks, gradients, loss_fields
+from harness.tracing.cost_models import CostModel, check_cost_model, measured_costs
+from harness.tracing.probe import CopyFirst, Probe, nodes_after, non_leaf_attributes, storage_of
+from harness.tracing.traced import TraceFailure, Traced, describe
+from harness.tracing.tracer import AUGMENTED, symbolic_trace
+from harness.zoo.nets import sum_loss
 
 
 def _copy_before_write(gm: fx.GraphModule, copy_first: CopyFirst):

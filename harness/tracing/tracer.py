@@ -18,7 +18,7 @@ branch the block computes between ``bn3`` and the addition sits between its memb
 - the executor runs ``bn3`` just before the addition (``_delayed`` in ``harness/execute/layout.py``), so that
   the IR node's autograd nodes are made together and its backward is not split by the branch's;
 - its backward starts with the in-place members, which hand the branch its gradient (the ReLU's, passed
-  on by the addition) before the batch norm's backward reads its input: ``Graph.early_grads``, which the
+  on by the addition) before the batch norm's backward reads its input: ``Profile.early_grads``, which the
   replay makes in the node's first backward step.
 
 NOTE [one input]
