@@ -175,21 +175,29 @@ def least_budget(cell: Cell, built: Built | None = None) -> int | None:
 
 
 def step(cell: Cell, built: Built, plan: Plan) -> Callable[[], object] | None:
-    """The training step that runs ``plan``: a PyTorch peer's own, the compiled plan's, or the executor's
-    (None for a general schedule, which the executor cannot run: see ``measure``)."""
+    """The training step that runs ``plan``, by its runner (``STEPS``): the executor's, eager or compiled, or a
+    PyTorch peer's own (None for a general schedule, which the executor cannot run: see ``measure``)."""
     if plan.schedule is not None:
         return None
-    if plan.runner is not None:
-        training_step = peers.step(plan, built.model, built.structure, built.example_input, built.loss_fn,
-                                   compile=cell.compiled)
-    elif cell.compiled:
-        check_compilable(plan)
-        training_step = compiled_plan_step(built.traced, plan, built.example_input, built.loss_fn)
-    else:
-        training_step = partial(execute, built.traced, plan, built.example_input, loss_fn=built.loss_fn)
+    training_step = STEPS[plan.runner or Runner.EXECUTOR](cell, built, plan)
     if cell.sharded:
         training_step = partial(_released, built.model, training_step)
     return training_step
+
+
+def _executor_step(cell: Cell, built: Built, plan: Plan) -> Callable[[], object]:
+    if cell.compiled:
+        check_compilable(plan)
+        return compiled_plan_step(built.traced, plan, built.example_input, built.loss_fn)
+    return partial(execute, built.traced, plan, built.example_input, loss_fn=built.loss_fn)
+
+
+def _peer_step(cell: Cell, built: Built, plan: Plan) -> Callable[[], object]:
+    return peers.step(plan, built.model, built.structure, built.example_input, built.loss_fn, compile=cell.compiled)
+
+
+# How a plan's step runs, by its runner: the executor's (compiled where the cell is), or a PyTorch peer's own.
+STEPS = {runner: _executor_step if runner == Runner.EXECUTOR else _peer_step for runner in Runner}
 
 
 def _released(model, training_step):

@@ -39,9 +39,10 @@ class InfeasibleBudget(ValueError):
 
 
 class Runner(str, Enum):
-    """What runs a plan's step where it is not this project's executor: a PyTorch peer's own step
-    (``harness/execute/peers.py``, one entry a runner)."""
+    """What runs a plan's step (``harness.run.STEPS``, one entry a runner): this project's executor, eager or
+    compiled (a plan whose ``runner`` is None), or a PyTorch peer's own step (``harness/execute/peers.py``)."""
 
+    EXECUTOR = "executor"  # the executor runs the plan's stages (compiled: under torch.compile)
     TORCH_CHECKPOINT = "torch_checkpoint"  # checkpoint around each block, with the plan's selective policy if any
     TORCH_CHECKPOINT_SEQUENTIAL = "torch_checkpoint_sequential"  # checkpoint_sequential, in ``segments`` segments
     TORCH_COMPILE = "torch_compile"  # torch.compile's activation_memory_budget, at ``budget_ratio``
@@ -121,7 +122,7 @@ class Plan:
             raise ValueError(f"Plan: unknown selective checkpointing policy {policy!r}; valid: {', '.join(POLICIES)}")
         plan = cls(strategy=strategy, stages=masks, kept=kept_mask, budget_bytes=budget_bytes,
                    solve_time_s=solve_time_s, info=dict(info or {}), checkpointed=checkpointed,
-                   runner=None if runner is None else Runner(runner), predicted=predicted,
+                   runner=None if runner in (None, Runner.EXECUTOR) else Runner(runner), predicted=predicted,
                    selective=selective if isinstance(selective, int) else bits(selective), policy=policy,
                    segments=segments, budget_ratio=budget_ratio)
         plan.validate(graph)

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_seq
 import strategies
 from harness.execute import compiled
 from harness.zoo.nets import FUNCTIONAL, MODEL_STEPS
-from strategies.plan import RUNNERS, Runner
+from strategies.plan import Runner
 from strategies.torch_checkpoint_sequential import segment_starts
 
 
@@ -247,7 +247,7 @@ def step(plan, model: nn.Module, structure: dict[str, list[str]], example_input:
         return compiled_step(model, example_input, loss_fn, plan.budget_ratio)
     if plan.runner not in FORWARDS:
         raise ValueError(f"no peer runner for plan {plan.strategy!r} (runner {plan.runner!r}); valid: "
-                         f"{', '.join(RUNNERS)}")
+                         f"{', '.join([Runner.TORCH_COMPILE, *FORWARDS])}")
     forward, context = FORWARDS[plan.runner](plan, model, structure, compile)
     if compile:
         return compiled.compiled_step(forward, model, example_input, loss_fn, context=context)
