@@ -8,7 +8,8 @@ encoders, and Hugging Face
 ``transformers`` causal LMs by model type (``HF_MODEL_TYPES``: two small layers, ``HF_SMALL``, on the CPU,
 sequence 32; their config's defaults on meta, batch 8, sequence up to 1024). For each, on the CPU at a small
 input (batch 2, side 64; a ViT at its patch size times 4; ``SIDES`` where a model needs more) with dropout,
-attention dropout and stochastic depth switched on (``exact.switch_on_randomness``):
+attention dropout and stochastic depth switched on (``exact.switch_on_randomness``; each model a cell whose net is
+``module:harness.bench.coverage:with_randomness``, run through the stages):
 - traces it (or records why not: the module and the construct);
 - runs one step under ``approx_dp``, ``chen_sqrt`` and ``swap`` (every value swapped) beside plain
   PyTorch's, and keeps the worst relative gradient difference (``harness.execute.exact``);
@@ -35,14 +36,11 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-import strategies
 from harness.bench.common import command_of, made_by
-from harness.cell import make_cell
-from harness.execute import execute
+from harness.cell import Cell, make_cell
 from harness.execute.exact import compare, switch_on_randomness, tolerance
 from harness.results import Status, write_row
-from harness.run import run
-from harness.tracing.trace import trace
+from harness.run import build, plan, run, step
 from harness.zoo import nets
 
 STRATEGIES = ("approx_dp", "chen_sqrt", "swap")
@@ -108,11 +106,24 @@ def _settings(name: str, side: int | None, batch: int | None, device: str) -> tu
     return name, batch, side, options
 
 
-def _build(name: str, side: int, batch: int, device: str, dtype: str = "float32"):
-    """Model, input and loss of a catalogue entry at ``side``, in ``dtype``, built to be traced with its randomness
-    switched on first (``exact.switch_on_randomness``)."""
-    net, batch, side, options = _settings(name, side, batch, device)
-    return nets.build(net, batch, side, device, dtype, **options)
+def with_randomness(name: str, options: dict) -> torch.nn.Module:
+    """The net ``name`` (``harness.zoo.models``' ``SOURCE:NAME``, with its net ``options``) with dropout, attention
+    dropout and stochastic depth switched on (``exact.switch_on_randomness``): the factory of the ``module:`` net
+    each exactness cell runs, so that the trace sees every random op the model can draw."""
+    return switch_on_randomness(nets.spec(name, **options).build_model())
+
+
+def _exactness_cell(name: str, dtype: str) -> Cell:
+    """A catalogue entry as a cell on the CPU at its small size, its randomness switched on (``with_randomness``);
+    the strategy is set per run."""
+    small, _ = _sides(name)
+    net, batch, side, options = _settings(name, small, SMALL_BATCH, "cpu")
+    spec = nets.spec(net, **options)
+    net_options = {"kwargs": {"name": net, "options": options}, "input": spec.input, "channels": spec.channels,
+                   "vocab_size": spec.vocab_size, "loss": spec.loss}
+    return make_cell("module:harness.bench.coverage:with_randomness", "vanilla", batch_size=batch,
+                     image_size=side if side is not None else spec.image_size, device="cpu", dtype=dtype,
+                     net_options={key: value for key, value in net_options.items() if value is not None})
 
 
 @functools.cache  # asked by the CPU build and the meta build of each model
@@ -145,22 +156,20 @@ def _sides(name: str) -> tuple[int, int]:
 def cover(name: str, dtype: str = "float32") -> dict:
     """One model's row, trained in ``dtype``."""
     row = {"model": name, "dtype": dtype, "traced": False, "ir_nodes": None, "reason": ""}
-    small, usual = _sides(name)
     try:
+        cell = _exactness_cell(name, dtype)
         torch.manual_seed(0)
-        model, x, loss_fn = _build(name, small, SMALL_BATCH, "cpu", dtype)
-        switch_on_randomness(model)
-        traced = trace(model, x, loss_fn=loss_fn)
+        built = build(cell)
     except Exception as error:  # the reason is the row's point
         row["reason"] = _reason(error)
         return row
-    row.update(traced=True, ir_nodes=len(traced.graph))
+    row.update(traced=True, ir_nodes=len(built.graph))
     worst = 0.0
     for strategy in STRATEGIES:
         try:
-            options = {"min_bytes": 0} if strategy == "swap" else {}
-            plan = strategies.solve(strategy, traced.graph, **options)
-            difference = compare(model, x, loss_fn, lambda: execute(traced, plan, x, loss_fn=loss_fn))
+            each = cell.but(strategy=strategy, options={"min_bytes": 0} if strategy == "swap" else {})
+            difference = compare(built.model, built.example_input, built.loss_fn,
+                                 step(each, built, plan(each, built)))
         except Exception as error:
             row[f"{strategy}_error"] = _reason(error)
             row["reason"] = row["reason"] or f"{strategy}: {_reason(error)}"
@@ -175,8 +184,8 @@ def cover(name: str, dtype: str = "float32") -> dict:
                                                                    if difference.buffers else ""))
     row["worst_gradient"] = worst
     row["exact"] = worst <= tolerance(nets.check_dtype(dtype))
-    del model, traced
-    row.update(_reduction(name, usual, dtype))
+    del built
+    row.update(_reduction(name, _sides(name)[1], dtype))
     return row
 
 
