@@ -24,10 +24,9 @@ from tqdm import tqdm
 import strategies
 from harness.bench.common import command_of, made_by, plt, save_figure
 from harness.bench.style import line_style, style
-from harness.cell import make_cell
-from harness.execute import peers
+from harness.cell import Cell, make_cell
 from harness.results import is_number, label, read_row, write_row
-from harness.run import build
+from harness.run import Built, build, plan
 from harness.zoo import nets
 
 GB = 1e9
@@ -38,36 +37,35 @@ STRATEGIES = [("approx_dp", {"mode": "tc"}), ("approx_dp", {"mode": "mc"}), ("ex
               ("torch_checkpoint_sequential", {}), ("ilp_optimal", {})]
 
 
-def strategy_overhead(graph, name: str, options: dict, budget: int, limit_s: float,
-                      structure: dict) -> tuple[float | None, str]:
-    """The predicted overhead of the strategy's plan at ``budget``, or None and why there is none."""
-    options = {**peers.zoo_options(name, structure), **options}
+def strategy_overhead(built: Built, cell: Cell, name: str, options: dict, budget: int,
+                      limit_s: float) -> tuple[float | None, str]:
+    """The predicted overhead of the strategy's plan at ``budget`` (the graph's, the static part left out), or
+    None and why there is none."""
     if name in ("exact_dp", "ilp_optimal"):
         options = {**options, "time_limit_s": limit_s}
     try:
-        plan = strategies.solve(name, graph, budget, **options)
+        chosen = plan(cell.but(strategy=name, options=options, budget_bytes=budget + built.static_bytes), built)
     except strategies.InfeasibleBudget:
         return None, "over"
     except strategies.SolverTimeout:
         return None, "timeout"
     except strategies.Inapplicable:
         return None, "not built"
-    prediction = strategies.simulate(graph, plan)
+    prediction = strategies.simulate(built.graph, chosen)
     if prediction.peak_bytes > budget:  # a plan with no budget to choose by (chen_sqrt, the peers)
         return None, "over"
     return prediction.overhead_cost, ""
 
 
-def bench_cell(graph, budget: int, limit_s: float, structure: dict) -> dict:
-    start = time.perf_counter()
-    plan = strategies.solve("optimal", graph, budget, time_limit_s=limit_s)
-    solve_s = time.perf_counter() - start
-    best = strategies.simulate(graph, plan).overhead_cost
-    row = {"optimum": best, "lower bound": plan.info["lower_bound"], "gap": plan.info["gap"],
-           "status": plan.info["optimal_status"], "solve s": round(solve_s, 1),
-           "plans replayed": plan.info["plans_replayed"]}
+def bench_cell(built: Built, cell: Cell, budget: int, limit_s: float) -> dict:
+    """``optimal``'s plan at ``budget`` (the graph's), and every strategy's overhead beside it."""
+    best = plan(cell.but(strategy="optimal", options={"time_limit_s": limit_s},
+                         budget_bytes=budget + built.static_bytes), built)
+    row = {"optimum": strategies.simulate(built.graph, best).overhead_cost, "lower bound": best.info["lower_bound"],
+           "gap": best.info["gap"], "status": best.info["optimal_status"], "solve s": round(best.solve_time_s, 1),
+           "plans replayed": best.info["plans_replayed"]}
     for name, options in STRATEGIES:
-        overhead, why = strategy_overhead(graph, name, options, budget, limit_s, structure)
+        overhead, why = strategy_overhead(built, cell, name, options, budget, limit_s)
         row[label(name, options)] = overhead
         row[label(name, options) + " note"] = why
     return row
@@ -84,19 +82,19 @@ def run(net_names, out: Path, limit_s: float) -> pd.DataFrame:
     cells.mkdir(parents=True, exist_ok=True)
     rows = []
     for net in tqdm(net_names, desc="nets"):
-        graph = None
+        built = None
         for k, fraction in enumerate(FRACTIONS):
             path = cells / f"{net}_{k}.json"
             if path.exists():
                 rows.append(read_row(path))
                 continue
-            if graph is None:
-                built = build(make_cell(net, "optimal"))
-                graph, structure = built.graph, built.structure
-                least, vanilla, budget_list = budgets(graph)
-            row = {"net": net, "batch": nets.spec(net).batch_size, "nodes": len(graph), "of the way": fraction,
+            if built is None:
+                cell = make_cell(net, "optimal")
+                built = build(cell)
+                least, vanilla, budget_list = budgets(built.graph)
+            row = {"net": net, "batch": cell.batch_size, "nodes": len(built.graph), "of the way": fraction,
                    "budget GB": budget_list[k] / GB, "vanilla GB": vanilla / GB,
-                   **bench_cell(graph, budget_list[k], limit_s, structure)}
+                   **bench_cell(built, cell, budget_list[k], limit_s)}
             write_row(row, cells, path.name)
             rows.append(row)
     return pd.DataFrame(rows)

@@ -22,10 +22,9 @@ from tqdm import tqdm
 from harness.bench.common import made_by
 import strategies
 from harness.cell import make_cell
-from harness.execute import peers
 from harness.execute.peers import PEERS
 from harness.results import Status, load_results
-from harness.run import build
+from harness.run import build, plan
 from harness.zoo import nets
 from strategies.ilp_optimal import Options as IlpOptions
 from strategies.ilp_optimal import within_replay
@@ -47,8 +46,9 @@ def measured_peaks(rows: pd.DataFrame, net: str) -> dict[tuple[str, str], float]
 
 
 def bench_net(net: str, rows: pd.DataFrame, time_limit_s: float, max_stages: int) -> list[dict]:
-    built = build(make_cell(net, "vanilla"))
-    graph, structure, static = built.graph, built.structure, built.static_bytes
+    cell = make_cell(net, "vanilla")
+    built = build(cell)
+    graph, static = built.graph, built.static_bytes
     measured = measured_peaks(rows, net)
     vanilla = measured.get(("vanilla", ""))
     out = []
@@ -58,15 +58,14 @@ def bench_net(net: str, rows: pd.DataFrame, time_limit_s: float, max_stages: int
         row["measured GB"] = peak / GB if peak else math.nan
         row["vs vanilla"] = f"{100 * (peak / vanilla - 1):+.0f}%" if peak and vanilla else ""
         try:
-            options = {**peers.zoo_options(name, structure), **({"mode": mode} if mode else {})}
-            plan = strategies.solve(name, graph, **options)
+            chosen = plan(cell.but(strategy=name, options={"mode": mode} if mode else {}), built)
         except strategies.Inapplicable as error:
             out.append({**row, "note": str(error).split(": ", 1)[-1]})
             continue
-        if not plan.predicted:
+        if not chosen.predicted:
             out.append({**row, "note": "chosen inside torch.compile: no plan in the IR to compare"})
             continue
-        predicted = strategies.simulate(graph, plan)
+        predicted = strategies.simulate(graph, chosen)
         row.update({"overhead / forward": predicted.overhead_cost / sum(graph.cost),
                     "predicted GB": (predicted.peak_bytes + static) / GB})
         if predicted.overhead_cost == 0:
@@ -75,7 +74,7 @@ def bench_net(net: str, rows: pd.DataFrame, time_limit_s: float, max_stages: int
             row["note"] = f"ILP not built: {2 * len(graph)} stages > {max_stages}"
         else:
             began = time.perf_counter()
-            ilp = within_replay(graph, predicted.peak_bytes, plan, time_limit_s)
+            ilp = within_replay(graph, predicted.peak_bytes, chosen, time_limit_s)
             best = strategies.simulate(graph, ilp).overhead_cost
             row.update({"ILP overhead": best, "ILP status": ilp.info["ilp_status"], "ILP MILPs": ilp.info["ilp_probes"],
                         "ILP s": time.perf_counter() - began,
