@@ -48,7 +48,19 @@ def cell_of(cfg: DictConfig) -> Cell:
 
 
 class CellError(RuntimeError):
-    """A cell whose row is ``error``: the command exits non-zero (a sweep, after its other cells)."""
+    """A cell whose row is ``error``: the command exits non-zero. In a sweep Hydra runs the other cells, then raises
+    the first such error, which names every cell of the sweep that ended in error (read when it is printed)."""
+
+    failed: list[str] = []  # each failed cell of this process, as "ROW FILE: error"
+
+    def __init__(self, failure: str):
+        CellError.failed.append(failure)
+        super().__init__(failure)
+
+    def __str__(self) -> str:
+        if len(self.failed) <= 1:
+            return super().__str__()
+        return f"{len(self.failed)} cells ended in error:\n" + "\n".join(f"  {failure}" for failure in self.failed)
 
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

@@ -142,6 +142,12 @@ def test_a_cell_whose_row_is_an_error_exits_non_zero_naming_it(tmp_path):
     assert done.returncode != 0
     assert "a forward that always fails" in done.stderr and "module:broken_model:build__vanilla" in done.stderr
     assert len(list((tmp_path / "rows").iterdir())) == 1  # the error row is written: a sweep records it and goes on
+    sweep = _harness("-m", "+net=module", "net.target=broken_model:build", "+strategy=vanilla,chen_sqrt,liveness_only",
+                     "batch_size=1", "image_size=8", f"results_dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert sweep.returncode != 0 and "3 cells ended in error" in sweep.stderr
+    assert all(f"module:broken_model:build__{strategy}__" in sweep.stderr
+               for strategy in ("vanilla", "chen_sqrt", "liveness_only"))
+    assert len(list((tmp_path / "sweep").iterdir())) == 3  # every cell ran
 
 
 @pytest.mark.slow
