@@ -28,7 +28,6 @@ from torch.profiler import ProfilerActivity, profile
 from harness.bench.common import command_of, made_by
 from harness.cell import make_cell
 from harness.execute import RECOMPUTE_EVENT
-from harness.measure import clear_grads
 from harness.run import build, plan, step
 
 
@@ -55,7 +54,7 @@ def profile_cell(model, training_step, device: str, warmup: int, steps: int, tra
     def ms_per_step(count: int) -> float:
         start = time.perf_counter()
         for _ in range(count):
-            clear_grads(model)
+            model.zero_grad(set_to_none=True)
             training_step()
         sync()
         return (time.perf_counter() - start) * 1e3 / max(count, 1)
