@@ -27,8 +27,8 @@ class Cell:
     """What one measurement runs: a net (a zoo name or ``SOURCE:NAME`` with ``net_options``, ``harness.zoo.models``),
     a strategy and its ``options``, the sizes, the device and dtype, the budget in bytes, whether the step is
     compiled, the cost model the strategies optimise, the steps measured, and for one rank of sharded data
-    parallelism its ``world_size``, ``shard`` and ``optimizer`` (NOTE [a rank under FSDP2] in ``harness/execute/sharding.py``).
-    Made by ``make_cell``, which checks every field; its dicts are never changed."""
+    parallelism its ``world_size``, ``shard`` and ``optimizer`` (NOTE [a rank under FSDP2] in
+    ``harness/execute/sharding.py``). Made by ``make_cell``, which checks every field; its dicts are never changed."""
 
     net: str
     strategy: str

@@ -16,8 +16,8 @@ checkpoints work unchanged.
   ``torch.utils.checkpoint`` regions (NOTE [a plan as checkpoint regions]), for a loop that calls
   ``loss.backward()`` itself.
 A plan is made for one input shape: the trace fixes the sizes the model's Python reads (NOTE [sizes fixed at the
-example's] in ``harness/tracing/trace.py``) and the plan's bytes follow them. A batch of other shapes or dtypes is refused,
-naming the first difference, and the model is left as it was; make one step per shape.
+example's] in ``harness/tracing/trace.py``) and the plan's bytes follow them. A batch of other shapes or dtypes is
+refused, naming the first difference, and the model is left as it was; make one step per shape.
 """
 
 from __future__ import annotations

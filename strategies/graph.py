@@ -85,9 +85,10 @@ class Profile:
     saved (the loss's value, the seed, and the gradient a mean's backward made before a square's unpacks
     its input): a recomputation of that output's stage runs on top of it.
     ``loss_forward_bytes`` is what the loss's forward holds at its peak besides the outputs (a log-softmax
-    over the vocabulary before the loss reduces it). ``loss_grad_bytes[v]`` is what the gradient the loss hands output ``v`` adds to the device, which may
-    be far less than the output: a sum hands each output an expanded view of its backward's seed, which
-    adds nothing (None, the default: each output's value's size; zero for every other node).
+    over the vocabulary before the loss reduces it). ``loss_grad_bytes[v]`` is what the gradient the loss hands
+    output ``v`` adds to the device, which may be far less than the output: a sum hands each output an expanded
+    view of its backward's seed, which adds nothing (None, the default: each output's value's size; zero for every
+    other node).
     ``loss_reads`` lists the outputs whose values the loss's backward reads (a mean squared error saves its
     input). They stay until the loss's backward is done, and if the plan discards one, that backward
     recomputes its stage (NOTE [the loss] in ``harness/tracing/backward_profile.py``).
@@ -134,8 +135,8 @@ class Profile:
     ``unreached`` are the nodes no gradient reaches, whose layers' backward never runs: an auxiliary head
     the loss leaves out, a mask made from the input. They get no gradient and hand none on, their
     parameters get none, and what their layers saved (``backward_reads``, ``saved_extra_bytes``) goes at the
-    loss's forward, with the outputs (NOTE [what no gradient reaches] in ``harness/tracing/backward_profile.py``); measured
-    when the graph was traced with its loss, empty on hand-written graphs.
+    loss's forward, with the outputs (NOTE [what no gradient reaches] in ``harness/tracing/backward_profile.py``);
+    measured when the graph was traced with its loss, empty on hand-written graphs.
     ``preds_without_grad[v]`` are the predecessors the backward of ``v`` hands no gradient, though it runs
     and they take one from elsewhere: a value ``v`` reads through ``.detach()`` (a straight-through
     estimator's ``z + (q - z).detach()``, a stop-gradient), or one it only follows (NOTE [state the forward
@@ -415,8 +416,9 @@ def _validate(graph: Graph) -> None:
 
 def _validate_backward(graph: Graph) -> None:
     n = len(graph)
-    if (len(graph.profile.backward_reads) != n or len(graph.profile.saved_extra_bytes) != n or len(graph.profile.param_bytes) != n
-            or len(graph.profile.param_sharers) != n or len(graph.scopes) != n or len(graph.flops) != n):
+    profile = graph.profile
+    if (len(profile.backward_reads) != n or len(profile.saved_extra_bytes) != n or len(profile.param_bytes) != n
+            or len(profile.param_sharers) != n or len(graph.scopes) != n or len(graph.flops) != n):
         raise ValueError("Graph: backward_reads, saved_extra_bytes, param_bytes, param_sharers, scopes and flops "
                          "need one entry per node")
     for v, sharers in enumerate(graph.profile.param_sharers):
@@ -426,8 +428,9 @@ def _validate_backward(graph: Graph) -> None:
         if any(not 0 <= u < n or u == v for u in sharers):
             raise ValueError(f"Graph: param_sharers of node {v} ({graph.names[v]}) must be other nodes, got "
                              f"{list(sharers)}")
-    if (len(graph.profile.grad_shares) != n or len(graph.profile.backward_work_bytes) != n or len(graph.profile.recompute_state_bytes) != n
-            or len(graph.profile.attribute_bytes) != n or len(graph.profile.attribute_saved) != n):
+    if (len(profile.grad_shares) != n or len(profile.backward_work_bytes) != n
+            or len(profile.recompute_state_bytes) != n or len(profile.attribute_bytes) != n
+            or len(profile.attribute_saved) != n):
         raise ValueError("Graph: grad_shares, backward_work_bytes, recompute_state_bytes, attribute_bytes and "
                          "attribute_saved need one entry per node")
     if not all(0 <= v < n for v in graph.profile.unreached):

@@ -166,8 +166,9 @@ class _Relaxation:
         """Which backwards recompute their stage, what each holds, and each layer's moments (``_moments``)."""
         graph, model, clause, kept = self.graph, self.model, self._clause, self.kept
         n = len(graph)
-        self.params = [(v, graph.profile.param_bytes[v]) for v in range(n)  # released ones count for nothing (``_moments``)
-                       if graph.profile.reached[v] and graph.profile.param_bytes[v] and not graph.profile.param_grads_released]
+        profile = graph.profile
+        self.params = [(v, profile.param_bytes[v]) for v in range(n)  # released ones count for nothing (``_moments``)
+                       if profile.reached[v] and profile.param_bytes[v] and not profile.param_grads_released]
         self.extras = [u for u in range(n) if graph.profile.reached[u] and graph.profile.saved_extra_bytes[u]]
         # calls[w]: w's backward recomputes its stage (it reads a discarded value, or its layer's extras are).
         users = [name for names in graph.profile.shared_state for name in names]
@@ -223,7 +224,8 @@ class _Relaxation:
             for s in graph.succs[u]:
                 clause([waits, _not(kept[u]), _not(self.recomputed[s])] + self.loss_discards)
             turn.append(size[u] * waits)
-        made = sum(graph.profile.loss_grad_bytes[v] for v in graph.outputs if graph.profile.reached[v]) + graph.profile.loss_bytes
+        profile = graph.profile
+        made = sum(profile.loss_grad_bytes[v] for v in graph.outputs if profile.reached[v]) + profile.loss_bytes
         self._at_most(sum(turn) + made + graph.profile.loss_held_bytes)
         self.value_grads = [(u, x) for x in range(len(graph)) if graph.profile.reached[x]
                             for u, own in self.own_gradient[x].items() if own and size[u]]
@@ -231,7 +233,8 @@ class _Relaxation:
     def _stage(self, i: int) -> None:
         """The moments of stage ``i``'s backward: as its recomputation ends, and as its last backward is done."""
         graph, model, clause, kept, ge = self.graph, self.model, self._clause, self.kept, self.ge
-        n, size, extra, held = len(graph), graph.mem_bytes, graph.profile.saved_extra_bytes, graph.profile.loss_held_bytes
+        n, size = len(graph), graph.mem_bytes
+        extra, held = graph.profile.saved_extra_bytes, graph.profile.loss_held_bytes
         readers, in_order, calls = self.readers, self.in_order, self.calls
         self._on_time()
         grads = sum(p * ge[v][i + 1] for v, p in self.params)  # parameter gradients of later stages
@@ -559,7 +562,8 @@ def nothing_reads(graph: Graph) -> int:
     """The values no layer, no backward and not the loss reads, and whose layers saved nothing else: a plan
     that keeps one runs the same step as one that does not; the model keeps them."""
     read = graph.read_by_backward()
-    return bits(u for u in range(len(graph)) if not graph.succs[u] and u not in read and u not in graph.profile.loss_reads
+    return bits(u for u in range(len(graph))
+                if not graph.succs[u] and u not in read and u not in graph.profile.loss_reads
                 and not (graph.profile.reached[u] and graph.saves_more(u)))
 
 

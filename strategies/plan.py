@@ -56,8 +56,9 @@ class Runner(str, Enum):
 
 
 RUNNERS = tuple(runner.value for runner in Runner)
-# Selective checkpointing policies a ``torch_checkpoint`` runner applies in each block (harness/execute/peers.py): "ops" saves
-# the outputs of matmuls and fused attention kernels, "ops_every_second_mm" skips every second matmul of a block.
+# Selective checkpointing policies a ``torch_checkpoint`` runner applies in each block (harness/execute/peers.py):
+# "ops" saves the outputs of matmuls and fused attention kernels, "ops_every_second_mm" skips every second matmul of a
+# block.
 POLICIES = ("ops", "ops_every_second_mm")
 
 

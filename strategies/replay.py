@@ -196,9 +196,10 @@ def _rebuilt(graph: Graph, plan: Plan) -> tuple[int, int]:
 
 def _saving(graph: Graph, stage: int) -> list[int]:
     """The nodes of ``stage`` whose layers save a tensor for their backward."""
-    sharing = {u for sharers in graph.profile.param_sharers for u in sharers}
+    profile = graph.profile
+    sharing = {u for sharers in profile.param_sharers for u in sharers}
     return [v for v in members(stage)
-            if graph.profile.backward_reads[v] or graph.profile.saved_extra_bytes[v] or graph.profile.param_bytes[v] or v in sharing]
+            if profile.backward_reads[v] or profile.saved_extra_bytes[v] or profile.param_bytes[v] or v in sharing]
 
 
 def _rerun_end(graph: Graph, stage: int) -> int:
@@ -254,7 +255,8 @@ def _forward(graph: Graph, facts: _Facts, found: set[int], unread: list[int], to
     # backward reads them (the loss's own among them: ``readers``).
     loss = [((Buffer.LOSS_FORWARD, -1), graph.profile.loss_forward_bytes)] if graph.profile.loss_forward_bytes else []
     frees = [(Buffer.VALUE, v) for v in sorted(last) if not held(v)] + [(Buffer.STATE, v) for v in unread]
-    frees += [(Buffer.EXTRA, v) for v in graph.profile.unreached if graph.profile.saved_extra_bytes[v] and saves >> v & 1]
+    frees += [(Buffer.EXTRA, v) for v in graph.profile.unreached
+              if graph.profile.saved_extra_bytes[v] and saves >> v & 1]
     steps.append(Step(-1, Phase.FORWARD, tuple(loss), tuple(frees + [key for key, _ in loss])))
     return steps
 

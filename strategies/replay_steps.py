@@ -191,7 +191,8 @@ class _Gradients:
 
         frees = []
         for u in graph.preds[v] if only is None else only:
-            if not graph.profile.reached[u] or u in graph.profile.preds_without_grad[v]:  # it takes no gradient (from v)
+            # it takes no gradient (from v)
+            if not graph.profile.reached[u] or u in graph.profile.preds_without_grad[v]:
                 continue
             key, size = handed.get(u, ((Buffer.GRAD, u, v), graph.mem_bytes[u]))
             old = self.buffer_of.get(u)
@@ -243,7 +244,8 @@ def backward_holds(graph: Graph, v: int) -> tuple[int, int | None]:
 def _working(graph: Graph, v: int) -> int:
     """The working gradients of ``v``'s in-place members (NOTE [a layer's backward peak])."""
     peaks = graph.profile.backward_peak_bytes
-    return graph.profile.backward_work_bytes[v] if peaks is None else min(graph.profile.backward_work_bytes[v], peaks[v])
+    work = graph.profile.backward_work_bytes[v]
+    return work if peaks is None else min(work, peaks[v])
 
 
 def _to_measured_peak(graph: Graph, v: int, held: int, frees: list, released: set[int]) -> list:
@@ -312,19 +314,21 @@ def _turn(graph: Graph, gradients: "_Gradients", fetched=(), loss_held: bool = T
     """From forward to backward: the swapped values fetched at once, the loss's buffers and the loss's
     gradients with respect to the outputs come; the loss's working buffers go, its value stays
     (``loss_held``: it comes here, not before)."""
-    outputs = [v for v in graph.outputs if graph.profile.reached[v]]  # the others take no gradient
+    profile = graph.profile
+    outputs = [v for v in graph.outputs if profile.reached[v]]  # the others take no gradient
     for v in outputs:
-        gradients.hold(v, (Buffer.GRAD, v), graph.profile.loss_grad_bytes[v])
-    allocs = [*fetched, *(((Buffer.GRAD, v), graph.profile.loss_grad_bytes[v]) for v in outputs)]
-    allocs += [((Buffer.LOSS, -1), graph.profile.loss_bytes)] if graph.profile.loss_bytes else []
-    allocs += [((Buffer.LOSS_HELD, -1), graph.profile.loss_held_bytes)] if graph.profile.loss_held_bytes and loss_held else []
-    return Step(-1, Phase.BACKWARD, tuple(allocs), ((Buffer.LOSS, -1),) if graph.profile.loss_bytes else ())
+        gradients.hold(v, (Buffer.GRAD, v), profile.loss_grad_bytes[v])
+    allocs = [*fetched, *(((Buffer.GRAD, v), profile.loss_grad_bytes[v]) for v in outputs)]
+    allocs += [((Buffer.LOSS, -1), profile.loss_bytes)] if profile.loss_bytes else []
+    allocs += [((Buffer.LOSS_HELD, -1), profile.loss_held_bytes)] if profile.loss_held_bytes and loss_held else []
+    return Step(-1, Phase.BACKWARD, tuple(allocs), ((Buffer.LOSS, -1),) if profile.loss_bytes else ())
 
 
 def _end(graph: Graph, gradients: "_Gradients") -> Step:
     """Parameter gradients outlive the step (the optimizer reads them), as do the loss's value and what
     modules keep (``Profile.attribute_bytes``): freed at the end for the tally."""
-    kept = sorted(u for u in gradients.params_made if not graph.profile.param_grads_released or gradients.readers_left[u])
+    released = graph.profile.param_grads_released
+    kept = sorted(u for u in gradients.params_made if not released or gradients.readers_left[u])
     return Step(-1, Phase.BACKWARD, (), tuple([*((Buffer.PARAM_GRAD, u) for u in kept),
                                           *((Buffer.ATTRIBUTE, v) for v in range(len(graph))
                                             if graph.profile.attribute_bytes[v]),

@@ -47,7 +47,8 @@ def training_graph(graph: Graph, loss_reads_outputs: bool = True) -> TrainingGra
     cost = list(graph.cost) + [0.0] * n
     for v in range(n):
         b = backward_node(n, v)
-        reads = graph.profile.backward_reads[v] if graph.profile.reached[v] else ()  # an unreached backward reads nothing
+        # an unreached backward reads nothing
+        reads = graph.profile.backward_reads[v] if graph.profile.reached[v] else ()
         deps[b] |= {backward_node(n, w) for w in graph.succs[v]} | set(reads)
         if not graph.succs[v] and loss_reads_outputs:
             deps[b].add(v)  # the loss reads the output

@@ -15,8 +15,8 @@ stage plan written as a schedule (``schedule.from_plan``) whose stages follow no
 stage replay's peak to the byte (tests/test_accounting.py); Checkmate's own count misses it by -22% to
 +75% on the zoo. A layer no gradient reaches runs no backward; what it saved stays to the loss's forward
 where its record is its first computation, and its extras come and go with any other (NOTE [what no
-gradient reaches] in ``harness/tracing/backward_profile.py``). A schedule cannot tell a value a stage plan discards but never
-recomputes (its stage is not recomputed, or what is is made without it: NOTE [what a recomputation makes])
+gradient reaches] in ``harness/tracing/backward_profile.py``). A schedule cannot tell a value a stage plan discards
+but never recomputes (its stage is not recomputed, or what is is made without it: NOTE [what a recomputation makes])
 from a kept one, and holds what such a layer saved of it: above the stage replay, never below, unless it is
 told which values the plan discards (``discarded``).
 """
@@ -112,7 +112,8 @@ class _ScheduleReplay:
         """The loss: its forward, then its backward; an output it reads stays to the turn's end."""
         graph, held = self.graph, self.held
         reads = bits(graph.profile.loss_reads)
-        loss = [((Buffer.LOSS_FORWARD, -1), graph.profile.loss_forward_bytes)] if graph.profile.loss_forward_bytes else []
+        forward = graph.profile.loss_forward_bytes
+        loss = [((Buffer.LOSS_FORWARD, -1), forward)] if forward else []
         gone = self.present & ~held[self.n] & ~reads
         unreached = [(Buffer.EXTRA, w) for w in graph.profile.unreached
                      if graph.profile.saved_extra_bytes[w] and not self.discarded >> w & 1]
@@ -160,7 +161,8 @@ class _ScheduleReplay:
         frees = [(Buffer.VALUE, i) for i in gone]
         if graph.profile.saved_extra_bytes[k] and (self.recorded[k] == t or not graph.profile.reached[k]):
             allocs.append(((Buffer.EXTRA, k), graph.profile.saved_extra_bytes[k]))
-            if not graph.profile.reached[k] and not (t == k and not self.discarded >> k & 1):  # nothing reads it: it goes now
+            # nothing reads it: it goes now
+            if not graph.profile.reached[k] and not (t == k and not self.discarded >> k & 1):
                 frees.append((Buffer.EXTRA, k))
         if graph.profile.recompute_state_bytes[k]:  # the state as the first call found it, to the last one
             if t == k and self.last[k] != k:

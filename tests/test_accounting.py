@@ -129,8 +129,8 @@ LOSSES = {  # name -> (loss, whether its backward reads the output)
 
 @pytest.mark.parametrize("loss", LOSSES)
 def test_the_replay_holds_what_the_loss_holds(loss):
-    # NOTE [the loss] in harness/tracing/backward_profile.py: the outputs stay until the loss has read them, an output the
-    # loss's backward reads stays (or comes back) until that backward is done, and each output's gradient
+    # NOTE [the loss] in harness/tracing/backward_profile.py: the outputs stay until the loss has read them, an
+    # output the loss's backward reads stays (or comes back) until that backward is done, and each output's gradient
     # is what the loss really hands it. Kusumoto et al.'s model (each output handed a gradient its own size,
     # nothing read) missed vanilla by +14% on the sum, -19% on the squared error, -31% on mse_loss.
     loss_fn, reads = LOSSES[loss]

@@ -605,7 +605,8 @@ def test_a_layer_that_saves_only_empty_tensors_calls_for_no_recomputation():
     traced = trace(model, x)
     graph = traced.graph
     doubled = graph.names.index("saves_empty_apply")
-    assert graph.profile.saved_extra_bytes[doubled] == 0 and all(doubled not in reads for reads in graph.profile.backward_reads)
+    assert graph.profile.saved_extra_bytes[doubled] == 0
+    assert all(doubled not in reads for reads in graph.profile.backward_reads)
     add = graph.succs[doubled][0]
     stages = [strategies.bits([v]) for v in range(len(graph)) if v != doubled]
     stages[stages.index(1 << add)] |= 1 << doubled

@@ -193,7 +193,8 @@ def _reduction(name: str, side: int, dtype: str) -> dict:
     """vanilla and approx_dp (mc) measured on meta at the model's usual size, a cell each."""
     net, batch, side, options = _settings(name, side, META_BATCH, "meta")
     rows = {}
-    for label, strategy, strategy_options in (("vanilla", "vanilla", {}), ("approx_dp_mc", "approx_dp", {"mode": "mc"})):
+    for label, strategy, strategy_options in (("vanilla", "vanilla", {}),
+                                              ("approx_dp_mc", "approx_dp", {"mode": "mc"})):
         try:
             rows[label] = run(make_cell(net, strategy, batch_size=batch, image_size=side, dtype=dtype,
                                         options=strategy_options, net_options=options, warmup_steps=0, timed_steps=0))

@@ -78,8 +78,9 @@ class _Store:
 
     def drop_unreached(self):
         """Let go of what the layers no gradient reaches saved, at the loss, where plain PyTorch lets go of
-        their autograd graph with the outputs (NOTE [what no gradient reaches] in ``harness/tracing/backward_profile.py``): a
-        tensor held here would live to the step's end, and a token would hold a stage's kept values."""
+        their autograd graph with the outputs (NOTE [what no gradient reaches] in
+        ``harness/tracing/backward_profile.py``): a tensor held here would live to the step's end, and a token would
+        hold a stage's kept values."""
         for saved in self.unreached_saves:
             if saved.swapped is not None:
                 saved.swapped.tokens -= 1

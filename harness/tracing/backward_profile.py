@@ -213,8 +213,8 @@ def backward_peaks(module: fx.GraphModule, group_of: dict[str, int], views: set[
     (``Profile.forward_transient_bytes``), and what its backward held above what was live as it began the
     first time it unpacked each IR node's value or, its own, what it saved besides
     (``Profile.unpack_held_bytes``); the layers whose value outlives the step (NOTE [values held outside
-    the program] in ``harness/tracing/trace.py``); last, the bytes each parameter's gradient holds, by parameter storage (NOTE
-    [parameter gradients])."""
+    the program] in ``harness/tracing/trace.py``); last, the bytes each parameter's gradient holds, by parameter
+    storage (NOTE [parameter gradients])."""
 
     layers: dict[object, int] = {}  # autograd node -> the probe group whose layer call made it
     values: dict[int, int] = {}  # storages of IR nodes' values -> their probe group

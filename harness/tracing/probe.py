@@ -50,9 +50,9 @@ block applied four times had its gradients counted four times (+48% on its step'
 encoder's twice, +21%); counted for modules only, a bare parameter's gradient was left out (-1% on a
 LoRA model under ``chen_sqrt``, whose low-rank factors are bare parameters).
 Only a backward that runs makes gradients: a parameter that only unreached layers read (NOTE [what no
-gradient reaches] in ``harness/tracing/backward_profile.py``) gets none and is not counted. A gradient holds what its storage
-holds, seen after the plain step on meta: autograd keeps the gradient it is handed where it can, and a slice of a
-larger one (a ``torch.cat`` of a query bias, a zero key bias and a value bias, as EVA's attention builds its bias)
+gradient reaches] in ``harness/tracing/backward_profile.py``) gets none and is not counted. A gradient holds what its
+storage holds, seen after the plain step on meta: autograd keeps the gradient it is handed where it can, and a slice
+of a larger one (a ``torch.cat`` of a query bias, a zero key bias and a value bias, as EVA's attention builds its bias)
 keeps that whole gradient alive to the step's end, shared by the parameters it was cut for. Counted at
 their sizes, an EVA-02's plans were predicted 768 bytes per block low.
 """
@@ -74,7 +74,8 @@ from harness.tracing.tracer import AUGMENTED, Draws
 
 class CopyFirst(Exception):
     """The probe's word that in-place write ``write`` is to write a copy of the value ``holders`` hold
-    (NOTE [a write after a read] in ``harness/tracing/trace.py``); ``via_write``: the write returns the tensor it wrote."""
+    (NOTE [a write after a read] in ``harness/tracing/trace.py``); ``via_write``: the write returns the tensor it
+    wrote."""
 
     def __init__(self, write: str, holders: list[str], via_write: bool):
         super().__init__(f"write {write} is to write a copy")
@@ -257,8 +258,8 @@ class Probe(fx.Interpreter):
 
     def _copy_first(self, node: fx.Node, written: list[torch.Tensor], result, g: int, reader: fx.Node):
         """``node`` wrote the value of IR node ``g`` in place after ``reader`` read it: raise ``CopyFirst``
-        for the trace to make it write a copy (NOTE [a write after a read] in ``harness/tracing/trace.py``), or refuse where a
-        later call would read the value as a tensor the copy does not replace."""
+        for the trace to make it write a copy (NOTE [a write after a read] in ``harness/tracing/trace.py``), or
+        refuse where a later call would read the value as a tensor the copy does not replace."""
         def refuse(why: str):
             raise TraceFailure(
                 f"in-place write {describe(node, self.module)} changes the value of "

@@ -1,9 +1,9 @@
 """Trace a module into the IR: torch.fx at layer granularity, sizes from a run on the meta device.
 
-The jobs, one module each: ``harness.tracing.tracer`` records the program (fx; ``harness.tracing.attention``, the attention kernel
-the device will run), ``harness.tracing.probe`` runs it on meta and groups its calls into IR nodes,
-``harness.tracing.backward_profile`` measures the backward and the loss, ``harness.tracing.cost_models`` weighs each layer, and
-``harness.tracing.traced`` holds the record they make. The RNG and state helpers the executors share are in
+The jobs, one module each: ``harness.tracing.tracer`` records the program (fx; ``harness.tracing.attention``, the
+attention kernel the device will run), ``harness.tracing.probe`` runs it on meta and groups its calls into IR nodes,
+``harness.tracing.backward_profile`` measures the backward and the loss, ``harness.tracing.cost_models`` weighs each
+layer, and ``harness.tracing.traced`` holds the record they make. The RNG and state helpers the executors share are in
 ``harness.tracing.state``.
 
 NOTE [values held outside the program]
@@ -78,9 +78,9 @@ def _copy_before_write(gm: fx.GraphModule, copy_first: CopyFirst):
 
 def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: CostModel = "paper", loss_fn=None
           ) -> Traced:
-    """Trace ``model`` on ``example_input`` into a ``Traced`` (see NOTE [nodes are storages] in ``harness/tracing/probe.py``);
-    the graph's ``loss_bytes`` and ``loss_held_bytes`` are what ``loss_fn`` (default: the executor's, the sum of the
-    outputs) holds beside the outputs and their gradients, measured on meta."""
+    """Trace ``model`` on ``example_input`` into a ``Traced`` (see NOTE [nodes are storages] in
+    ``harness/tracing/probe.py``); the graph's ``loss_bytes`` and ``loss_held_bytes`` are what ``loss_fn`` (default:
+    the executor's, the sum of the outputs) holds beside the outputs and their gradients, measured on meta."""
     check_cost_model(cost_model, example_input.device.type)
     gm = symbolic_trace(model, example_input)
     # On meta, a tensor the program makes without naming a device (``torch.randn(8)``) is made on meta too.
@@ -106,7 +106,8 @@ def trace(model: torch.nn.Module, example_input: torch.Tensor, cost_model: CostM
                 f"{type(model).__name__} returns a {opaque}, whose tensors torch's pytree cannot see, so neither "
                 "the plans nor the loss's accounting would find its outputs; return a tuple, dict or namedtuple, "
                 f"or register the type (torch.utils._pytree.register_dataclass({opaque}))")
-        # What layers saved that a module keeps as an attribute (NOTE [tensors a module keeps] in ``harness/tracing/probe.py``).
+        # What layers saved that a module keeps as an attribute (NOTE [tensors a module keeps] in
+        # ``harness/tracing/probe.py``).
         probe.kept_by_modules = {id(storage_of(t)) for t in non_leaf_attributes(meta_module)}
         if probe.out_of_place:  # where the probe ran a copy, the same out-of-place turns here
             for node in gm.graph.nodes:

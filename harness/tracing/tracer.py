@@ -8,9 +8,9 @@ assignment itself (``operator.iadd``), and the program writes in place as the mo
 cannot stay in place, the probe turns it back into fx's out-of-place operator before it runs, which is
 exactly what plain fx traces: when the target is not an IR node's value (an input, a parameter, a
 buffer, whose earlier readers a recomputation would rerun on the written tensor), or when another IR node
-has already read it (NOTE [a write after a read] in ``harness/tracing/trace.py``). So tracing in place never refuses a model
-that fx traces. An item assignment (``x[:, 0] = 0``, ``inv_perm[perm] = torch.arange(n)`` in transformers' experts),
-which fx's Proxy refuses, is recorded as ``assign_item``: a write in place that returns the tensor it
+has already read it (NOTE [a write after a read] in ``harness/tracing/trace.py``). So tracing in place never refuses
+a model that fx traces. An item assignment (``x[:, 0] = 0``, ``inv_perm[perm] = torch.arange(n)`` in transformers'
+experts), which fx's Proxy refuses, is recorded as ``assign_item``: a write in place that returns the tensor it
 wrote, joining that value's IR node as ``relu_`` would (after another layer read it, as the next note says).
 
 Written in place, ``bn3``'s output, ``+= identity`` and the ReLU are one IR node, and the downsampling

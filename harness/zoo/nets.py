@@ -28,9 +28,9 @@ NOTE [imported where used]
 Every cell is a fresh process, and its imports are part of what a user waits for. torchvision adds 1.6 s to torch's
 2.3, segmentation-models-pytorch 2.7 s, torch.compile's dynamo and inductor 3 s. So the model libraries are imported
 by the builders of the nets that use them, the compiler's modules by the functions that compile
-(``harness/execute/compiled.py``), and pandas (0.6 s) by what reads rows into tables (``harness.results.load_results``, the
-benchmarks): an eager U-Net or GPT-2 cell pays for none of them, and a cell writes its row without pandas. Every
-other import is at the top of its module.
+(``harness/execute/compiled.py``), and pandas (0.6 s) by what reads rows into tables
+(``harness.results.load_results``, the benchmarks): an eager U-Net or GPT-2 cell pays for none of them, and a cell
+writes its row without pandas. Every other import is at the top of its module.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """What the zoo and outside models share: the record of a net (``NetSpec``) and the losses a step can train
-with (``LOSSES``). ``harness.zoo.nets`` (the zoo) and ``harness.zoo.models`` (any other source) both make ``NetSpec``s."""
+with (``LOSSES``). ``harness.zoo.nets`` (the zoo) and ``harness.zoo.models`` (any other source) both make
+``NetSpec``s."""
 
 from __future__ import annotations
 
