@@ -256,7 +256,8 @@ def run(mutant: Mutant, root: Path = ROOT) -> dict:
         path.write_text(path.read_text().replace(mutant.original, mutant.planted))
         env = dict(os.environ, PYTHONPATH=str(scratch), PYTHONDONTWRITEBYTECODE="1")
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutant.tests],
+        done = subprocess.run([os.path.abspath(sys.executable), "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                               *mutant.tests],
                               cwd=scratch, env=env, capture_output=True, text=True)
         seconds = time.perf_counter() - start
     last = (done.stdout.strip().splitlines() or [""])[-1]
