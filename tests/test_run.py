@@ -380,3 +380,17 @@ def test_every_run_the_readme_shows_passes_the_checks_at_the_edge():
                      for word in shlex.split(line)[3:]]
         with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
             check_keys(compose("config", overrides=overrides))
+
+
+def test_the_stages_example_in_the_harness_readme_runs_as_written(tmp_path, monkeypatch):
+    """The README's stages, run as printed: the plan fits, the stages measure what ``run`` writes, and the least
+    budget is below the cell's."""
+    text = (Path(__file__).resolve().parent.parent / "harness" / "README.md").read_text()
+    example = text.split("## A cell and its stages", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(example, scope)
+    assert scope["row"]["status"] == "ok" and scope["row"]["measured_peak_bytes"] <= scope["cell"].budget_bytes
+    assert scope["fields"]["measured_peak_bytes"] == scope["row"]["measured_peak_bytes"]
+    assert scope["least_budget"](scope["cell"]) < scope["cell"].budget_bytes
+    assert (tmp_path / "results" / "runs" / scope["cell"].name).exists()
