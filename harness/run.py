@@ -161,17 +161,21 @@ def plan(cell: Cell, built: Built) -> Plan:
     """The cell's strategy's plan within its budget (``InfeasibleBudget``, carrying the least, where none fits).
     A strategy that follows the net's own layout (a PyTorch peer) gets the zoo's blocks or sequence; they stay
     out of the cell's options, which name the row's file (options the cell gives win)."""
-    options = {**peers.zoo_options(cell.strategy, built.structure), **cell.options}
-    return solve_on_device(cell.strategy, built.graph, cell.budget_bytes, built.static_bytes, options)
+    return solve_on_device(cell.strategy, built.graph, cell.budget_bytes, built.static_bytes,
+                           _strategy_options(cell, built))
 
 
 def least_budget(cell: Cell, built: Built | None = None) -> int | None:
     """The least budget (bytes of the whole device) any plan of the cell's strategy fits, by the strategy's own
     search (None where it does not know it); the cell's budget is not read."""
     built = built or build(cell)
-    options = {**peers.zoo_options(cell.strategy, built.structure), **cell.options}
-    least = strategies.least_budget(cell.strategy, built.graph, **options)
+    least = strategies.least_budget(cell.strategy, built.graph, **_strategy_options(cell, built))
     return None if least is None else least + built.static_bytes
+
+
+def _strategy_options(cell: Cell, built: Built) -> dict:
+    """The cell's options over the zoo's blocks or sequence, for a strategy that follows the net's own layout."""
+    return {**peers.zoo_options(cell.strategy, built.structure), **cell.options}
 
 
 def step(cell: Cell, built: Built, plan: Plan) -> Callable[[], object] | None:
