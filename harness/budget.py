@@ -5,8 +5,9 @@ input batch included."""
 
 from __future__ import annotations
 
-import os
 import re
+
+from harness.measure import nvml_memory
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -38,13 +39,4 @@ def _free_device_bytes(device: str) -> int:
     if device != "cuda":
         raise ValueError(f"budget=device means the memory a CUDA device has free; device={device} has none "
                          "to read (give a size such as 6GB)")
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-        handle = (pynvml.nvmlDeviceGetHandleByUUID(visible) if visible.startswith(("GPU-", "MIG-"))
-                  else pynvml.nvmlDeviceGetHandleByIndex(int(visible or 0)))
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
-    finally:
-        pynvml.nvmlShutdown()
+    return int(nvml_memory(0).free)

@@ -59,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import os
 import platform
 import statistics
 import threading
@@ -435,13 +436,21 @@ def _measure_compiled(step, model, device, warmup_steps, timed_steps) -> Measure
 
 
 def _nvml_used_bytes() -> int:
+    return nvml_memory(torch.cuda.current_device()).used
+
+
+def nvml_memory(cuda_index: int = 0):
+    """NVML's memory figures (``total``, ``free``, ``used``) of the CUDA device ``cuda_index``, without a CUDA
+    context: CUDA numbers the devices CUDA_VISIBLE_DEVICES lists (indices or UUIDs), NVML all of them."""
     import pynvml
 
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    device = visible[cuda_index] if visible else str(cuda_index)
     pynvml.nvmlInit()
     try:
-        index = torch.cuda.current_device()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+        handle = (pynvml.nvmlDeviceGetHandleByUUID(device) if device.startswith(("GPU-", "MIG-"))
+                  else pynvml.nvmlDeviceGetHandleByIndex(int(device)))
+        return pynvml.nvmlDeviceGetMemoryInfo(handle)
     finally:
         pynvml.nvmlShutdown()
 

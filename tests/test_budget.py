@@ -55,7 +55,8 @@ def test_the_command_line_and_the_row_mean_the_same_bytes(override, nbytes):
 
 def test_device_is_read_by_nvml_from_the_first_visible_device(monkeypatch):
     """``budget=device`` asks NVML, not CUDA (which would open a context in the parent of every cell), for the
-    device a cell will see first: an index or a UUID in CUDA_VISIBLE_DEVICES."""
+    device a cell will see first: an index or a UUID in CUDA_VISIBLE_DEVICES; a CUDA index names the device that
+    list gives it."""
     import sys
     import types
 
@@ -72,6 +73,10 @@ def test_device_is_read_by_nvml_from_the_first_visible_device(monkeypatch):
         else:
             monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         assert parse_budget("device", "cuda") == 7_000_000_000 and asked.pop() == want
+    from harness.measure import nvml_memory  # the measurement's NVML figure, by the device's CUDA index
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert nvml_memory(1).free == 7_000_000_000 and asked.pop() == ("index", 3)
 
 
 def test_the_least_budget_is_asked_for_and_is_the_edge_of_feasible():
