@@ -12,7 +12,7 @@ dynamic programmes over lower sets fast. ``bits()`` and ``members()`` convert.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Iterable
 
 import numpy as np
@@ -177,7 +177,11 @@ class Profile:
     shared_state: tuple[tuple[str, ...], ...]
     extras_after_reads: tuple[bool, ...] | None
     param_grads_released: bool
-    reached: tuple[bool, ...] = field(repr=False, compare=False)  # not unreached, per node
+    reached: tuple[bool, ...] = field(init=False, repr=False, compare=False)  # not unreached, per node
+
+    def __post_init__(self):
+        unreached = set(self.unreached)
+        object.__setattr__(self, "reached", tuple(v not in unreached for v in range(len(self.backward_reads))))
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,12 +278,11 @@ class Graph:
         """The nodes whose values a backward that runs reads (the loss's aside; ``unreached``)."""
         return {u for v, reads in enumerate(self.profile.backward_reads) if self.profile.reached[v] for u in reads}
 
-    def replace(self, **fields) -> Graph:
+    def replace(self, **changes) -> Graph:
         """A copy with some fields changed (the constructor's arguments, the profile's among them)."""
-        names = ("mem_bytes", "cost", "edges", "names", "kinds", "scopes", "flops", "outputs")
-        given = {name: getattr(self, name) for name in names}
-        given.update((name, getattr(self.profile, name)) for name in Profile.__dataclass_fields__ if name != "reached")
-        return Graph(**{**given, **fields})
+        given = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        given.update((f.name, getattr(self.profile, f.name)) for f in fields(self.profile) if f.init)
+        return Graph(**{**given, **changes})
 
     def saves_more(self, v: int) -> bool:
         """``v``'s layer saves for its backward a tensor that is no node's value (an extra, or what its module
@@ -334,7 +337,6 @@ def profile_of(graph: Graph, backward_reads=None, saved_extra_bytes=None, param_
     if loss_grad_bytes is None:
         loss_grad_bytes = [graph.mem_bytes[v] if v in graph.outputs else 0 for v in range(n)]
     attribute_bytes = per_node(attribute_bytes, 0, int)
-    unreached = sorted_nodes(unreached)
     return Profile(
         backward_reads=tuple(tuple(sorted(set(r))) for r in (backward_reads if backward_reads is not None
                                                               else graph.preds)),
@@ -358,7 +360,7 @@ def profile_of(graph: Graph, backward_reads=None, saved_extra_bytes=None, param_
         attribute_bytes=attribute_bytes,
         attribute_saved=tuple(bool(b) for b in (attribute_saved if attribute_saved is not None
                                                 else [b > 0 for b in attribute_bytes])),
-        unreached=unreached, reached=tuple(v not in set(unreached) for v in range(n)),
+        unreached=sorted_nodes(unreached),
         preds_without_grad=per_node(preds_without_grad, (), sorted_nodes),
         shared_state=per_node(shared_state, (), lambda names: tuple(sorted({str(name) for name in names}))),
         extras_after_reads=None if extras_after_reads is None else tuple(bool(b) for b in extras_after_reads),
