@@ -98,7 +98,6 @@ def _least_overhead(cp_model, graph: Graph, budget_bytes: int | None, options: O
                     seeds: list[Plan] | None = None) -> Plan:
     """The plan of least recomputation within ``budget_bytes`` (None: the first seed's peak), searched from the
     cheapest of ``seeds`` that fits (default: the DPs' plans at the budget) until ``deadline``."""
-    start = time.perf_counter()
     least_known = None
     if seeds is None:
         seeds, least_known = _dp_seeds(graph, budget_bytes, options.time_limit_s / 4)
@@ -158,8 +157,9 @@ def _least_overhead(cp_model, graph: Graph, budget_bytes: int | None, options: O
             if best is not None:
                 model.hint(best)
     if model is not kept_only:
-        best, best_cost, status, replayed = _cheaper_plans(model, graph, budget_bytes, best, best_cost, deadline,
-                                                           options, start)
+        best, best_cost, status, replayed = _cheaper_plans(
+            model, graph, best, best_cost, deadline, options, budget_bytes=budget_bytes,
+            value=lambda prediction, _: prediction.overhead_cost if prediction.peak_bytes <= budget_bytes else None)
         cuts += replayed
     bound = best_cost if status == "optimal" else min(best_cost, model.bound)
     if best is None:
@@ -186,27 +186,29 @@ def _best_seed(graph: Graph, seeds: list[Plan], budget_bytes: int | None) -> tup
     return best, best_cost, budget_bytes
 
 
-def _cheaper_plans(model: _Relaxation, graph: Graph, budget_bytes: int, best: Plan | None, best_cost: float,
-                   deadline: float, options: Options, start: float) -> tuple[Plan | None, float, str, int]:
-    """Plans the model with stages proposes, cheapest first, each replayed and cut, until none is cheaper than the
-    best (proven: status ``optimal``) or the deadline (``timeout``); the best, its cost, the status and the count
-    of plans replayed."""
+def _cheaper_plans(model: _Relaxation, graph: Graph, best: Plan | None, best_value: float, deadline: float,
+                   options: Options, value, budget_bytes: int | None = None) -> tuple[Plan | None, float, str, int]:
+    """Plans the model with stages proposes, best first, each replayed and cut, until none is better than the
+    best (proven: status ``optimal``) or the deadline (``timeout``); the best, its value, the status and the count
+    of plans replayed. ``value(prediction, best_value)`` is a replayed plan's value, or None where its replay holds
+    more than the model was asked to (``_held_at_peak`` then teaches the model why)."""
     cuts = 0
     while True:
         left = deadline - time.perf_counter()
-        found = model.cheapest(best_cost, left, options.workers) if left > 0 else "timeout"
-        if found is None:  # no plan the model holds is cheaper than the best: proven
-            return best, best_cost, "optimal", cuts
+        found = model.cheapest(best_value, left, options.workers) if left > 0 else "timeout"
+        if found is None:  # no plan the model holds is better than the best: proven
+            return best, best_value, "optimal", cuts
         if found == "timeout":
-            return best, best_cost, "timeout", cuts
+            return best, best_value, "timeout", cuts
         plan = Plan.from_stages(graph, found[0], kept=found[1], strategy="optimal", budget_bytes=budget_bytes)
         prediction = simulate(graph, plan)
-        log.debug("optimal: proposed cost %g (relaxed %g), replay %d bytes of %d, %.1f s", prediction.overhead_cost,
-                  model.proposed, prediction.peak_bytes, budget_bytes, time.perf_counter() - start)
-        if prediction.peak_bytes <= budget_bytes and prediction.overhead_cost < best_cost:
-            best, best_cost = plan, prediction.overhead_cost
-        elif prediction.peak_bytes > budget_bytes:
+        log.debug("optimal: proposed cost %g, replay %d bytes (relaxed %g), %.1f s left", prediction.overhead_cost,
+                  prediction.peak_bytes, model.proposed, left)
+        replayed = value(prediction, best_value)
+        if replayed is None:
             _held_at_peak(model, plan)
+        elif replayed < best_value:
+            best, best_value = plan, replayed
         model.cut(plan)
         cuts += 1
 
@@ -266,20 +268,10 @@ def _least_memory(cp_model, graph: Graph, budget_bytes: int | None, options: Opt
             model = staged
             model.at_least(kept_only.bound)
             model.hint(best)
-            while True:
-                left = memory_until - time.perf_counter()
-                found = model.cheapest(best_peak, left, options.workers) if left > 0 else "timeout"
-                if found is None or found == "timeout":
-                    status = "optimal" if found is None else "timeout"
-                    break
-                plan = Plan.from_stages(graph, found[0], kept=found[1], strategy="optimal")
-                peak = simulate(graph, plan).peak_bytes
-                replayed += 1
-                if peak < best_peak:
-                    best, best_peak = plan, peak
-                else:
-                    _held_at_peak(model, plan)
-                model.cut(plan)
+            best, best_peak, status, count = _cheaper_plans(
+                model, graph, best, best_peak, memory_until, options,
+                value=lambda prediction, least: prediction.peak_bytes if prediction.peak_bytes < least else None)
+            replayed += count
     bound = best_peak if status == "optimal" else min(best_peak, model.bound if model is not None else 0)
     if budget_bytes is not None and best_peak > budget_bytes:
         name = "optimal (mc)" if status == "optimal" else f"optimal (mc, unproven: no plan under {bound:.0f} bytes)"

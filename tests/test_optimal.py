@@ -41,6 +41,28 @@ def test_the_optimum_is_brute_force_over_every_plan_and_never_above_exact_dp(gra
     assert prediction.overhead_cost <= simulate(graph, exact).overhead_cost
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_dags(max_nodes=5), st.data())
+def test_the_model_with_stages_alone_reaches_the_optimum_where_the_kept_sets_run_out(graph, data):
+    """Where the kept sets' search runs out of time at once, both searches go on in the model with stages alone,
+    every plan it proposes replayed and cut (``_cheaper_plans``), and still prove brute force's optimum: the least
+    recomputation at a budget, and the least peak."""
+    predictions = [simulate(graph, plan) for plan in every_plan(graph)]
+    budget = data.draw(st.sampled_from(sorted({p.peak_bytes for p in predictions})))
+    cheapest = _Relaxation.cheapest
+
+    def kept_sets_out_of_time(model, *args):
+        return "timeout" if model.K == 1 else cheapest(model, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_Relaxation, "cheapest", kept_sets_out_of_time)
+        at_budget = solve("optimal", graph, budget, time_limit_s=60)
+        least = solve("optimal", graph, mode="mc", time_limit_s=60)
+    assert at_budget.info["optimal_status"] == "optimal" and simulate(graph, at_budget).peak_bytes <= budget
+    assert simulate(graph, at_budget).overhead_cost == min(p.overhead_cost for p in predictions if p.peak_bytes <= budget)
+    assert least.info["optimal_status"] == "optimal"
+    assert simulate(graph, least).peak_bytes == min(p.peak_bytes for p in predictions)
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(small_dags(max_nodes=5))
 def test_the_least_memory_is_brute_force_over_every_plan_and_never_above_a_dp(graph):
