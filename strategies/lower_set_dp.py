@@ -117,9 +117,7 @@ class Options:
     memory_model: str = "traced"
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; valid modes: tc (time-centric, least overhead), "
-                             "mc (memory-centric, most overhead)")
+        _check_mode(self.mode)
         if self.memory_model not in MEMORY_MODELS:
             raise ValueError(f"unknown memory_model {self.memory_model!r}; valid: {', '.join(MEMORY_MODELS)}")
 
@@ -239,10 +237,10 @@ def best_chain(table: Table, budget: float, mode: str, deadline: float = math.in
     return chain[::-1]
 
 
-def _check_mode(mode: str, strategy: str) -> None:
+def _check_mode(mode: str, strategy: str = "") -> None:
     if mode not in MODES:
-        raise ValueError(f"{strategy}: unknown mode {mode!r}; valid modes: tc (time-centric, least overhead), "
-                         "mc (memory-centric, most overhead)")
+        raise ValueError(f"{strategy + ': ' if strategy else ''}unknown mode {mode!r}; valid modes: tc (time-centric, "
+                         "least overhead), mc (memory-centric, most overhead)")
 
 
 def solve_family(graph: Graph, words: np.ndarray, budget_bytes: int | None, mode: str, strategy: str,
